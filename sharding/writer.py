@@ -1,0 +1,352 @@
+"""Streaming writer: append samples, roll shards at ``shard_bytes``, publish atomically.
+
+Everything is written into a sibling temp directory ``.<name>.tmp-<random>``; the manifest is
+written last, every file is fsynced, and only then is the directory renamed into place. A crash, a
+bad sample or an exception inside the ``with`` block therefore never leaves a directory at
+``path`` that looks like a finished dataset. Samples are validated completely before any byte of
+them is written, so a refused sample leaves the writer usable.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import numpy as np
+import xxhash
+
+from sharding.format import (
+    MANIFEST_NAME,
+    DatasetError,
+    FieldSpec,
+    FieldStats,
+    Manifest,
+    Schema,
+    SchemaMismatchError,
+    ShardInfo,
+    describe_array,
+    dtype_name,
+    encode_index_head,
+    new_hasher,
+    pad8,
+    shard_file_names,
+)
+
+DEFAULT_SHARD_BYTES = 256 * 2**20
+_ZEROS = bytes(8)
+
+
+def check_output(path: Path, overwrite: bool) -> None:
+    """Refuse an existing ``path`` unless ``overwrite`` and it is a dataset or an empty directory.
+
+    Called before any work starts, and again just before publishing. Overwrite never deletes a
+    directory that is not a dataset: ``output=$HOME overwrite=true`` must not erase a home.
+    """
+    if not path.exists() and not path.is_symlink():
+        return
+    if not overwrite:
+        raise DatasetError(f"{path} already exists: choose another output, or replace it "
+                           f"with overwrite=true")
+    if not path.is_dir() or not ((path / MANIFEST_NAME).is_file() or not any(path.iterdir())):
+        raise DatasetError(f"{path} exists and is not a dataset (no {MANIFEST_NAME}): "
+                           f"overwrite=true only replaces datasets; remove it yourself")
+
+
+class DatasetWriter:
+    """Write samples (mappings of field name -> array) into a new sharded dataset at ``path``.
+
+    >>> with DatasetWriter("out/ds", shard_bytes=64 * 2**20) as w:   # doctest: +SKIP
+    ...     w.append({"x": np.zeros((3, 64), np.float32), "y": np.int64(7)})
+
+    The schema comes from the first sample unless given; a leading dimension of 0 is fine.
+    Big-endian input is converted to little-endian (the only byte order on disk).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 schema: Schema | None = None, overwrite: bool = False):
+        if shard_bytes < 8:
+            raise DatasetError(f"shard_bytes={shard_bytes} is invalid: must be >= 8 "
+                               f"(try shard_bytes={DEFAULT_SHARD_BYTES})")
+        self.path = Path(path).absolute()
+        self.shard_bytes = shard_bytes
+        self.overwrite = overwrite
+        self._schema: dict[str, FieldSpec] | None = None
+        self._stats: dict[str, list[int]] = {}
+        if schema is not None:
+            self._set_schema(dict(schema))
+        check_output(self.path, overwrite)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = _make_sibling_dir(self.path, "tmp")
+        self._shards: list[ShardInfo] = []
+        self._shard: _ShardFile | None = None
+        self._is_open = True
+        self.num_samples = 0
+        self.num_bytes = 0  # data bytes written so far, padding included
+        self.manifest: Manifest | None = None
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def schema(self) -> dict[str, FieldSpec] | None:
+        return None if self._schema is None else dict(self._schema)
+
+    def append(self, sample: Mapping[str, Any]) -> None:
+        """Validate one sample against the schema, then write it (rolling the shard if needed)."""
+        if not self._is_open:
+            raise DatasetError(f"writer for {self.path} is closed: open a new DatasetWriter")
+        arrays = self._check(sample)
+        specs = self._schema or {}
+        sizes = [pad8(a.nbytes) for a in arrays]
+        if sum(sizes) > self.shard_bytes:
+            raise DatasetError(f"sample {self.num_samples} is {sum(sizes)} bytes, more than "
+                               f"shard_bytes={self.shard_bytes}: raise shard_bytes")
+        if self._shard is not None and self._shard.num_bytes + sum(sizes) > self.shard_bytes:
+            self._finish_shard()
+        if self._shard is None:
+            self._shard = _ShardFile(self._tmp, len(self._shards), specs)
+        self._shard.write(arrays)
+        for name, a in zip(specs, arrays, strict=True):
+            if name in self._stats:
+                stats = self._stats[name]
+                stats[0], stats[1] = min(stats[0], len(a)), max(stats[1], len(a))
+        self.num_samples += 1
+        self.num_bytes += sum(sizes)
+
+    def close(self) -> Path:
+        """Finish the last shard, write the manifest, fsync, and rename into place."""
+        if self.manifest is not None:
+            return self.path
+        if not self._is_open:
+            raise DatasetError(f"writer for {self.path} was aborted: nothing to publish")
+        try:
+            if self.num_samples == 0:
+                raise DatasetError(f"no samples were written to {self.path}: nothing published "
+                                   f"(is the input empty?)")
+            if self._shard is not None:
+                self._finish_shard()
+            manifest = self._build_manifest()
+            _write_synced(self._tmp / MANIFEST_NAME, manifest.to_json().encode())
+            _fsync_dir(self._tmp)
+            self._publish()
+            self.manifest, self._is_open = manifest, False
+        except BaseException:
+            self.abort()
+            raise
+        return self.path
+
+    def abort(self) -> None:
+        """Discard everything written; nothing appears at ``path``."""
+        self._is_open = False
+        if self._shard is not None:
+            self._shard.discard()
+            self._shard = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _set_schema(self, schema: dict[str, FieldSpec]) -> None:
+        if not schema:
+            raise DatasetError("the schema has no fields: a sample needs at least one")
+        self._schema = schema
+        self._stats = {n: [2**63, 0] for n, s in schema.items() if not s.is_scalar}
+
+    def _check(self, sample: Mapping[str, Any]) -> list[np.ndarray]:
+        """Contiguous little-endian arrays in schema order, or SchemaMismatchError."""
+        number = self.num_samples
+        if not isinstance(sample, Mapping):
+            raise SchemaMismatchError(
+                f"sample {number} is a {type(sample).__name__}, expected a mapping of field "
+                f"name -> array (e.g. {{'x': array}})", sample=number)
+        arrays = {_check_name(name, number): _as_array(value, number, name)
+                  for name, value in sample.items()}
+        if self._schema is None:
+            self._set_schema(_infer_schema(arrays, number))
+        schema = self._schema or {}
+        _check_field_names(schema, arrays, number)
+        return [_check_field(spec, arrays[name], number, name) for name, spec in schema.items()]
+
+    def _finish_shard(self) -> None:
+        assert self._shard is not None  # internal invariant, not user input
+        self._shards.append(self._shard.finish())
+        self._shard = None
+
+    def _build_manifest(self) -> Manifest:
+        stats = {n: FieldStats(lo, hi) for n, (lo, hi) in self._stats.items()}
+        return Manifest(dict(self._schema or {}), tuple(self._shards), stats, self.shard_bytes)
+
+    def _publish(self) -> None:
+        check_output(self.path, self.overwrite)
+        old: Path | None = None
+        if self.path.exists():
+            # A directory cannot be replaced atomically by rename: move the old dataset aside
+            # first, so at every instant `path` is either the old dataset, absent, or the new one.
+            old = _make_sibling_dir(self.path, "old")
+            os.replace(self.path, old)  # Linux renames a directory onto an empty one
+        os.rename(self._tmp, self.path)
+        _fsync_dir(self.path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class _ShardFile:
+    """The shard being written: its open data file, running hash and index arrays."""
+
+    def __init__(self, tmp: Path, number: int, schema: Mapping[str, FieldSpec]):
+        self.schema = schema
+        self.data_name, self.index_name = shard_file_names(number)
+        self.data_path, self.index_path = tmp / self.data_name, tmp / self.index_name
+        self._file: IO[bytes] = open(self.data_path, "xb")  # noqa: SIM115 closed in finish/discard
+        self._hasher = new_hasher()
+        # array('q') holds machine ints compactly: no per-sample Python objects even for 1e8 rows.
+        self._offsets = [array.array("q") for _ in schema]
+        self._leading = {n: array.array("q") for n, s in schema.items() if not s.is_scalar}
+        self.num_samples = 0
+        self.num_bytes = 0
+
+    def write(self, arrays: list[np.ndarray]) -> None:
+        for (name, spec), a, offsets in zip(self.schema.items(), arrays, self._offsets,
+                                            strict=True):
+            offsets.append(self.num_bytes)
+            if not spec.is_scalar:
+                self._leading[name].append(len(a))
+            self._put(a.reshape(-1).view(np.uint8))  # flat bytes of a C-contiguous array
+            self._put(_ZEROS[:pad8(a.nbytes) - a.nbytes])
+        self.num_samples += 1
+
+    def _put(self, buf: Any) -> None:
+        self._file.write(buf)
+        self._hasher.update(buf)
+        self.num_bytes += memoryview(buf).nbytes
+
+    def finish(self) -> ShardInfo:
+        """Flush + fsync the data file, then write the index after it; return the manifest entry."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        arrays = [*self._offsets, *self._leading.values()]
+        index = encode_index_head(self.schema, self.num_samples, self.num_bytes) + b"".join(
+            np.asarray(a, dtype="<i8").tobytes() for a in arrays)
+        _write_synced(self.index_path, index)
+        return ShardInfo(
+            data_file=self.data_name, index_file=self.index_name, num_samples=self.num_samples,
+            data_bytes=self.num_bytes, index_bytes=len(index),
+            data_xxh3_64=self._hasher.hexdigest(),
+            index_xxh3_64=xxhash.xxh3_64_hexdigest(index),
+        )
+
+    def discard(self) -> None:
+        self._file.close()
+
+
+def _check_name(name: object, number: int) -> str:
+    if not isinstance(name, str) or not name:
+        raise SchemaMismatchError(f"sample {number}: field name {name!r} is not a non-empty "
+                                  f"string", sample=number)
+    return name
+
+
+def _infer_schema(arrays: Mapping[str, np.ndarray], number: int) -> dict[str, FieldSpec]:
+    schema = {}
+    for name, a in arrays.items():
+        try:
+            schema[name] = FieldSpec.of(a)
+        except DatasetError as e:
+            raise SchemaMismatchError(f"sample {number}, field {name!r}: {e}", sample=number,
+                                      field=name) from e
+    return schema
+
+
+def _as_array(value: Any, number: int, name: str) -> np.ndarray:
+    """A numpy view of a field value (numpy array, torch CPU tensor, Python scalar)."""
+    try:
+        a = np.asarray(value)
+    except Exception as e:  # torch raises RuntimeError for grad/GPU tensors, TypeError for others
+        raise SchemaMismatchError(
+            f"sample {number}, field {name!r}: cannot be read as an array ({e}); pass a numpy "
+            f"array or a CPU tensor (.detach().cpu())", sample=number, field=name) from e
+    if a.dtype.byteorder == ">":
+        # The disk holds little-endian only: convert explicitly rather than store a second order.
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def _check_field_names(schema: Schema, arrays: Mapping[str, np.ndarray], number: int) -> None:
+    for name in schema:
+        if name not in arrays:
+            raise SchemaMismatchError(
+                f"sample {number}, field {name!r}: missing (the schema has fields "
+                f"{', '.join(schema)})", sample=number, field=name)
+    for name in arrays:
+        if name not in schema:
+            raise SchemaMismatchError(
+                f"sample {number}, field {name!r}: not in the schema (fields: "
+                f"{', '.join(schema)}); drop it, or give an explicit schema", sample=number,
+                field=name)
+
+
+def _check_field(spec: FieldSpec, a: np.ndarray, number: int, name: str) -> np.ndarray:
+    try:
+        actual_dtype = dtype_name(a.dtype)
+    except DatasetError as e:
+        raise SchemaMismatchError(f"sample {number}, field {name!r}: {e}", sample=number,
+                                  field=name) from e
+    shape_ok = a.shape[1:] == spec.trailing if a.ndim == len(spec.shape) else False
+    if actual_dtype != spec.dtype or not shape_ok:
+        hint = (f"convert with .astype(np.{spec.dtype})" if actual_dtype != spec.dtype else
+                "reshape it; only the leading dimension may vary between samples")
+        raise SchemaMismatchError(
+            f"sample {number}, field {name!r}: expected {spec}, got {describe_array(a)}: {hint} "
+            f"(the schema comes from sample 0 unless given explicitly)", sample=number,
+            field=name)
+    # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _make_sibling_dir(path: Path, tag: str) -> Path:
+    """``.<name>.<tag>-<random>`` next to ``path``: same filesystem, so the final rename is atomic.
+
+    Not tempfile.mkdtemp: its mode 0700 would survive the rename and hide the dataset from other
+    users; os.mkdir(0o777) lets the umask decide, as for any directory the user creates.
+    """
+    for _ in range(100):
+        candidate = path.parent / f".{path.name}.{tag}-{secrets.token_hex(4)}"
+        try:
+            candidate.mkdir(mode=0o777)
+            return candidate
+        except FileExistsError:
+            continue
+    raise DatasetError(f"cannot create a temporary directory next to {path}")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new directory entry durable (POSIX needs the directory fsynced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
