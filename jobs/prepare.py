@@ -1,0 +1,367 @@
+"""``python -m jobs.prepare input=... output=...``: raw samples -> a sharded dataset.
+
+Inputs (``format=auto`` tells them apart by path):
+
+- ``npy_dir``: a directory of ``.npy`` files, one sample each, in sorted (byte-wise) name order;
+  read by ``num_workers`` processes, in order, while this process writes.
+- ``pt``: a ``.pt`` file holding a list of tensors or a list of dicts of tensors; loaded with
+  ``weights_only=True`` (no arbitrary pickles) and memory-mapped, so it need not fit in RAM.
+- ``megatron``: a Megatron-LM indexed dataset ``PREFIX.bin`` + ``PREFIX.idx``; every sequence
+  becomes one 1-D sample (document boundaries are not kept).
+
+A bare array becomes field ``field`` (default ``x``). Every input problem is reported before
+anything is created at ``output``; a problem found mid-way publishes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+from tqdm import tqdm
+
+from orchestrator.config import ConfigError, PrepareConfig, invalid, register_configs
+from sharding.format import DatasetError, fingerprint
+from sharding.writer import DatasetWriter, check_output
+
+register_configs()  # before @hydra.main composes `defaults: [prepare_schema, ...]`
+
+Sample = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Source:
+    """An input, checked and ready: how many samples, how to stream them, how to name one."""
+
+    kind: str
+    path: Path
+    num_samples: int
+    # Streams the samples; may start worker processes whose lifetime the ExitStack owns.
+    open: Callable[[contextlib.ExitStack], Iterator[Sample]]
+    describe: Callable[[int], str]  # sample number -> where it came from, for error messages
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    output: Path
+    num_samples: int
+    num_shards: int
+    num_bytes: int
+    seconds: float
+    fingerprint: str
+
+    def __str__(self) -> str:
+        rate = self.num_samples / max(self.seconds, 1e-9)
+        mb_rate = self.num_bytes / 1e6 / max(self.seconds, 1e-9)
+        return (f"wrote {self.num_samples} samples ({self.num_bytes / 1e6:.1f} MB) in "
+                f"{self.num_shards} shards to {self.output} in {self.seconds:.1f} s "
+                f"({rate:,.0f} samples/s, {mb_rate:,.1f} MB/s); fingerprint {self.fingerprint}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Detecting the input
+
+
+def detect_format(input_path: str, fmt: str) -> tuple[str, Path]:
+    """``(kind, path)`` for an input; a Megatron input is returned as its PREFIX (no suffix)."""
+    path = Path(input_path).expanduser().absolute()
+    detectors = {"npy_dir": _as_npy_dir, "pt": _as_pt, "megatron": _as_megatron_prefix}
+    if fmt != "auto":
+        found = detectors[fmt](path)
+        if found is None:
+            raise invalid("input", input_path, f"is not a {fmt} input ({_EXPECTED[fmt]})",
+                          "format=auto, or the right path")
+        return fmt, found
+    for kind, detect in detectors.items():
+        found = detect(path)
+        if found is not None:
+            return kind, found
+    why = ("does not exist (nor do PREFIX.bin + PREFIX.idx)" if not path.exists() else
+           "is not a recognized input")
+    raise invalid("input", input_path, f"{why}; expected {'; or '.join(_EXPECTED.values())}",
+                  "input=/path/to/npy_dir")
+
+
+_EXPECTED = {
+    "npy_dir": "a directory of .npy files",
+    "pt": "a .pt file holding a list of tensors or of dicts of tensors",
+    "megatron": "a Megatron prefix P with P.bin and P.idx",
+}
+
+
+def _as_npy_dir(path: Path) -> Path | None:
+    return path if path.is_dir() else None
+
+
+def _as_pt(path: Path) -> Path | None:
+    return path if path.suffix == ".pt" and path.is_file() else None
+
+
+def _as_megatron_prefix(path: Path) -> Path | None:
+    candidates = [path.with_suffix("")] if path.suffix in (".bin", ".idx") else []
+    for prefix in [*candidates, path]:
+        if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
+            return prefix
+    return None
+
+
+def open_source(kind: str, path: Path, cfg: PrepareConfig) -> Source:
+    """Check an input fully enough that converting it can only fail on a bad sample."""
+    if kind == "npy_dir":
+        return open_npy_dir(path, cfg.field, _num_workers(cfg.num_workers))
+    if kind == "pt":
+        return open_pt(path, cfg.field)
+    return open_megatron(path, cfg.field)
+
+
+def _num_workers(requested: int) -> int:
+    return requested if requested > 0 else min(4, os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A directory of .npy files
+
+
+def open_npy_dir(path: Path, field: str, num_workers: int) -> Source:
+    files = sorted(p for p in path.iterdir() if p.suffix == ".npy" and p.is_file())
+    if not files:
+        raise invalid("input", str(path), "is a directory without .npy files (one sample each)",
+                      "input=/path/to/dir/of/npy")
+
+    def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
+        if num_workers <= 1:
+            return ({field: _load_npy(f)} for f in files)
+        # fork: workers need nothing but numpy, and start in milliseconds. The pool is started
+        # here, before the progress bar exists, so no tqdm monitor thread is alive at fork time.
+        pool = stack.enter_context(multiprocessing.get_context("fork").Pool(num_workers))
+        return ({field: a} for a in pool.imap(_load_npy, files, chunksize=8))  # ordered
+
+    return Source("npy_dir", path, len(files), open_samples, lambda k: f"file {files[k]}")
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """One sample; runs in a worker process, so its error must pickle (a plain message does)."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{path}: not a readable .npy array ({e}); fix or remove it") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# A .pt file
+
+
+def open_pt(path: Path, field: str) -> Source:
+    import torch  # deferred: the other inputs do not need torch's 2 s import
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types: pickle, zip, unsupported global...
+        raise invalid("input", str(path), f"cannot be loaded with torch.load(weights_only=True) "
+                                          f"({type(e).__name__}: {e})",
+                      "a file written by torch.save(list_of_tensors, path)") from e
+    items = _check_pt_items(obj, path)
+
+    def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
+        for k, item in enumerate(items):
+            fields = item if isinstance(item, Mapping) else {field: item}
+            yield {name: _tensor_to_numpy(t, k, name) for name, t in fields.items()}
+
+    return Source("pt", path, len(items), open_samples, lambda k: f"item {k} of {path}")
+
+
+def _check_pt_items(obj: object, path: Path) -> Sequence[Any]:
+    """A non-empty list of tensors, or of dicts str -> tensor; anything else is refused."""
+    import torch
+
+    expected = "a list of tensors or a list of dicts of tensors"
+    if not isinstance(obj, list | tuple) or not obj:
+        what = "an empty list" if isinstance(obj, list | tuple) else f"a {type(obj).__name__}"
+        raise invalid("input", str(path), f"holds {what}, expected {expected}",
+                      "torch.save([tensor, ...], path)")
+    as_dicts = isinstance(obj[0], Mapping)
+    for k, item in enumerate(obj):
+        ok = (isinstance(item, Mapping) and all(
+            isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in item.items())
+        ) if as_dicts else isinstance(item, torch.Tensor)
+        if not ok:
+            raise invalid("input", str(path), f"item {k} is a {type(item).__name__} while item 0 "
+                                              f"is a {type(obj[0]).__name__}; expected {expected}",
+                          "one kind of item throughout")
+    return obj
+
+
+def _tensor_to_numpy(tensor: Any, number: int, name: str) -> np.ndarray:
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        raise DatasetError(f"sample {number}, field {name!r}: bfloat16 has no numpy dtype; "
+                           f"save it as .float() (or .view(torch.int16) to keep the bits)")
+    return tensor.detach().numpy()  # a view of the (memory-mapped) tensor, no copy
+
+
+# ------------------------------------------------------------------------------------------------
+# A Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx), read from its documented layout
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+# magic, version (=1), dtype code, sequence count, document count; then int32 sequence lengths
+# (elements), int64 sequence pointers (bytes into .bin), int64 document indices. 34 bytes.
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")
+MEGATRON_DTYPES: dict[int, type[np.generic]] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+    7: np.float32, 8: np.uint16,
+}
+
+
+@dataclass(frozen=True)
+class MegatronIndex:
+    dtype: np.dtype[Any]
+    lengths: np.ndarray  # int32 [num_sequences]: elements per sequence
+    pointers: np.ndarray  # int64 [num_sequences]: byte offset of each sequence in PREFIX.bin
+
+
+def read_megatron_index(idx_path: Path, bin_bytes: int) -> MegatronIndex:
+    """Parse and check a Megatron .idx (where Megatron itself only asserts)."""
+    with open(idx_path, "rb") as f:
+        head = f.read(MEGATRON_HEADER.size)
+    if len(head) < MEGATRON_HEADER.size:
+        raise _bad_megatron(idx_path, f"is {len(head)} bytes, shorter than the 34-byte header")
+    magic, version, code, num_seqs, num_docs = MEGATRON_HEADER.unpack(head)
+    if magic != MEGATRON_MAGIC or version != 1:
+        raise _bad_megatron(idx_path, f"has magic {magic!r} version {version}, expected "
+                                      f"{MEGATRON_MAGIC!r} version 1")
+    if code not in MEGATRON_DTYPES:
+        raise _bad_megatron(idx_path, f"has dtype code {code}, expected one of "
+                                      f"{sorted(MEGATRON_DTYPES)}")
+    need = MEGATRON_HEADER.size + 12 * num_seqs + 8 * num_docs
+    if idx_path.stat().st_size < need or num_seqs == 0:
+        raise _bad_megatron(idx_path, f"is {idx_path.stat().st_size} bytes for {num_seqs} "
+                                      f"sequences and {num_docs} documents (needs {need}, and "
+                                      f"at least one sequence)")
+    # Read with explicit offsets: Megatron's arrays start at byte 34, not 8-byte aligned.
+    lengths = np.fromfile(idx_path, "<i4", num_seqs, offset=MEGATRON_HEADER.size)
+    pointers = np.fromfile(idx_path, "<i8", num_seqs, offset=MEGATRON_HEADER.size + 4 * num_seqs)
+    index = MegatronIndex(np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<"), lengths, pointers)
+    _check_megatron_bounds(index, idx_path, bin_bytes)
+    return index
+
+
+def _check_megatron_bounds(index: MegatronIndex, idx_path: Path, bin_bytes: int) -> None:
+    item = index.dtype.itemsize
+    ends = index.pointers + index.lengths.astype(np.int64) * item
+    bad = (index.lengths < 0) | (index.pointers < 0) | (index.pointers % item != 0) | (
+        ends > bin_bytes)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise _bad_megatron(idx_path, f"sequence {k} (pointer {index.pointers[k]}, "
+                                      f"{index.lengths[k]} elements) lies outside the "
+                                      f"{bin_bytes}-byte .bin, or is misaligned")
+
+
+def _bad_megatron(path: Path, what: str) -> ConfigError:
+    return invalid("input", str(path), f"{what}: not a readable Megatron MMapIndexedDataset",
+                   "the PREFIX of a PREFIX.bin/PREFIX.idx pair written by Megatron-LM")
+
+
+def open_megatron(prefix: Path, field: str) -> Source:
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    bin_bytes = bin_path.stat().st_size
+    index = read_megatron_index(idx_path, bin_bytes)
+
+    def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
+        if bin_bytes == 0:  # every sequence is empty; an empty file cannot be mapped
+            flat = np.zeros(0, index.dtype)
+        else:
+            flat = np.memmap(bin_path, index.dtype, mode="r").view(np.ndarray)
+        starts = index.pointers // index.dtype.itemsize
+        for begin in range(0, len(starts), 65536):  # Python ints in chunks, not 1e8 at once
+            for start, length in zip(starts[begin:begin + 65536].tolist(),
+                                     index.lengths[begin:begin + 65536].tolist(), strict=True):
+                yield {field: flat[start:start + length]}
+
+    return Source("megatron", prefix, len(index.lengths), open_samples,
+                  lambda k: f"sequence {k} of {prefix}.bin")
+
+
+# ------------------------------------------------------------------------------------------------
+# Converting
+
+
+def prepare(cfg: PrepareConfig) -> PrepareResult:
+    """Check the input and the output, then stream every sample into a new dataset."""
+    kind, path = detect_format(cfg.input, cfg.format)
+    output = Path(cfg.output).expanduser().absolute()
+    check_output(output, cfg.overwrite)
+    source = open_source(kind, path, cfg)
+    return convert(source, output, cfg.shard_bytes, cfg.overwrite)
+
+
+def convert(source: Source, output: Path, shard_bytes: int, overwrite: bool) -> PrepareResult:
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        samples = source.open(stack)
+        writer = stack.enter_context(DatasetWriter(output, shard_bytes=shard_bytes,
+                                                   overwrite=overwrite))
+        bar = stack.enter_context(tqdm(total=source.num_samples, unit="sample", unit_scale=True,
+                                       desc=f"prepare {source.kind}", mininterval=0.5))
+        for number, sample in enumerate(samples):
+            _append(writer, sample, source, number)
+            bar.update(1)
+            if number % 512 == 0:
+                mb_per_s = writer.num_bytes / 1e6 / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{mb_per_s:,.1f} MB/s", refresh=False)
+        num_samples, num_bytes = writer.num_samples, writer.num_bytes
+    manifest = writer.manifest
+    assert manifest is not None  # the writer published on leaving the with block
+    return PrepareResult(output, num_samples, len(manifest.shards), num_bytes,
+                         time.perf_counter() - start, fingerprint(manifest))
+
+
+def _append(writer: DatasetWriter, sample: Sample, source: Source, number: int) -> None:
+    try:
+        writer.append(sample)
+    except DatasetError as e:
+        e.add_note(f"input: {source.describe(number)}")
+        raise
+
+
+def to_config(cfg: DictConfig) -> PrepareConfig:
+    """DictConfig -> the typed PrepareConfig (its __post_init__ checks run here)."""
+    try:
+        config = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is required: python -m jobs.prepare input=PATH "
+                          f"output=PATH") from e
+    if not isinstance(config, PrepareConfig):  # a wrong `defaults:` list in conf/prepare.yaml
+        raise ConfigError(f"conf/prepare.yaml built a {type(config).__name__}, not a "
+                          f"PrepareConfig: its defaults must start with prepare_schema")
+    return config
+
+
+def _message(error: BaseException) -> str:
+    return "\n".join([str(error), *getattr(error, "__notes__", [])])
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="prepare")
+def main(cfg: DictConfig) -> None:
+    try:
+        result = prepare(to_config(cfg))
+    except (ConfigError, DatasetError) as e:
+        # A one-line reason instead of Hydra's traceback: these are the user's input, not a bug.
+        raise SystemExit(f"jobs.prepare: error: {_message(e)}") from e
+    print(result)
+
+
+if __name__ == "__main__":
+    main()
