@@ -15,6 +15,7 @@ that the pid still belongs to the daemon we started (a recycled pid is left alon
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -566,7 +567,5 @@ def _terminate(pid: int, timeout_s: float) -> None:
         if _comm(pid) is None:
             return
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

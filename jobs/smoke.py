@@ -1,0 +1,44 @@
+"""A minimal real DDP job: every rank joins the process group and all-reduces its rank number.
+
+Used by the SLURM end-to-end tests and by anyone checking that a cluster can run DDP at all:
+``python -c "from jobs.smoke import allreduce; print(allreduce('/tmp/rdzv'))"`` under srun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from orchestrator import dist_env, rendezvous
+
+
+@dataclass(frozen=True)
+class SmokeResult:
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    hostname: str
+    backend: str
+    reduced: float  # sum over ranks of (rank + 1): world * (world + 1) / 2 when all took part
+
+
+def allreduce(rdzv_dir: str, backend: str = "auto", fail_on_rank: int | None = None,
+              rendezvous_timeout_s: float = 120.0) -> dict[str, object]:
+    env = dist_env.detect()
+    if fail_on_rank is not None and env.rank == fail_on_rank:
+        raise RuntimeError(f"deliberate failure on rank {env.rank} (fail_on_rank={fail_on_rank})")
+    chosen = rendezvous.init_process_group(env, Path(rdzv_dir), backend=backend,
+                                           rendezvous_timeout_s=rendezvous_timeout_s)
+    try:
+        value = torch.tensor([float(env.rank + 1)])
+        dist.all_reduce(value)
+        result = SmokeResult(rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank,
+                             world_size=env.world_size, hostname=env.hostname, backend=chosen,
+                             reduced=float(value.item()))
+    finally:
+        rendezvous.destroy_process_group()
+    return asdict(result)

@@ -1,0 +1,185 @@
+"""Every config schema, one dataclass per Hydra group, registered once in Hydra's ConfigStore.
+
+YAML files under ``conf/`` hold values only; these dataclasses hold the types, the defaults and the
+checks. ``__post_init__`` validates each group when ``OmegaConf.to_object`` builds it at the entry
+point, so a bad value fails before any job is submitted, with a message that names the key, the value
+and an override that fixes it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the key, the value and a fix."""
+
+
+def invalid(key: str, value: object, why: str, fix: str) -> ConfigError:
+    """One format for every config error: ``key=value is invalid: why (try fix)``."""
+    return ConfigError(f"{key}={value!r} is invalid: {why} (try {fix})")
+
+
+# ------------------------------------------------------------------------------------------------
+# parallelism and cluster
+
+MODES = ("debug", "local", "slurm")
+BACKENDS = ("auto", "nccl", "gloo")
+# Values that end up on an #SBATCH line or an srun command line. SLURM names are words, dots,
+# dashes and the node-list/feature syntax; anything else (a newline, `;`, `$(...)`, a quote) could
+# smuggle a directive or a command into the generated script.
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:=+@%/\[\]-]*$")
+_CONSTRAINT_SAFE = re.compile(r"^[A-Za-z0-9_.,:=+@%/\[\]&|*-]*$")  # feature expressions: a&b, [x*2|y]
+_COMMENT_SAFE = re.compile(r"^[^\n\r\x00#`$\"'\\;]*$")
+
+
+@dataclass
+class ParallelismConfig:
+    """How many ranks, where: ``nodes x gpus_per_node`` on GPU, ``nodes x procs_per_node`` on CPU."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU training, procs_per_node ranks per node
+    procs_per_node: int = 2  # ranks per node when gpus_per_node == 0
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise invalid("parallelism.nodes", self.nodes, "must be >= 1", "parallelism.nodes=1")
+        if self.gpus_per_node < 0:
+            raise invalid("parallelism.gpus_per_node", self.gpus_per_node, "must be >= 0",
+                          "parallelism.gpus_per_node=0 for CPU")
+        if self.gpus_per_node == 0 and self.procs_per_node < 1:
+            raise invalid("parallelism.procs_per_node", self.procs_per_node, "must be >= 1 on CPU",
+                          "parallelism.procs_per_node=2")
+        if self.backend not in BACKENDS:
+            raise invalid("parallelism.backend", self.backend, f"choose one of {BACKENDS}",
+                          "parallelism.backend=auto")
+        if self.backend == "nccl" and self.gpus_per_node == 0:
+            raise invalid("parallelism.backend", self.backend, "nccl needs GPUs",
+                          "parallelism.backend=gloo or parallelism.gpus_per_node=N")
+
+    @property
+    def tasks_per_node(self) -> int:
+        """One task per GPU, or per process on CPU."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.procs_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs. ``debug``: in this process; ``local``: N processes here; ``slurm``."""
+
+    mode: str = "local"  # debug | local | slurm
+    job_name: str = "switchyard"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None  # nodes to avoid, SLURM node-list syntax
+    comment: str | None = None
+    timeout_min: int = 60  # SLURM time limit of each job, in minutes
+    mem_gb: float | None = None  # per node; None: the partition's default
+    cpus_per_task: int = 1
+    signal_delay_s: int = 120  # SIGUSR2 this long before the time limit: checkpoint and requeue
+    max_requeues: int = 3  # preemptions/timeouts survived before the job gives up
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (the one place for shell)
+    srun_args: list[str] = field(default_factory=list)  # extra srun arguments, one per item
+    wait: bool = True  # slurm: block until the job ends and report its result; false: print and return
+    rendezvous_timeout_s: float = 180.0  # how long ranks wait to find rank 0 before failing
+    collective_timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise invalid("cluster.mode", self.mode, f"choose one of {MODES}", "cluster=local")
+        for key in ("job_name", "partition", "account", "qos", "exclude"):
+            _check_sbatch_value(f"cluster.{key}", getattr(self, key), _SBATCH_SAFE)
+        _check_sbatch_value("cluster.constraint", self.constraint, _CONSTRAINT_SAFE)
+        _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
+        for i, arg in enumerate(self.srun_args):
+            _check_sbatch_value(f"cluster.srun_args[{i}]", arg, _SBATCH_SAFE)
+        for key in ("timeout_min", "cpus_per_task"):
+            if getattr(self, key) < 1:
+                raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")
+        if self.signal_delay_s < 0 or self.signal_delay_s >= self.timeout_min * 60:
+            raise invalid("cluster.signal_delay_s", self.signal_delay_s,
+                          f"must be between 0 and the time limit ({self.timeout_min * 60} s)",
+                          "cluster.signal_delay_s=120")
+        if self.max_requeues < 0:
+            raise invalid("cluster.max_requeues", self.max_requeues, "must be >= 0",
+                          "cluster.max_requeues=3")
+        for key in ("rendezvous_timeout_s", "collective_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise invalid(f"cluster.{key}", getattr(self, key), "must be > 0", f"cluster.{key}=180")
+
+
+def _check_sbatch_value(key: str, value: str | None, allowed: re.Pattern[str]) -> None:
+    if value is None:
+        return
+    if "\n" in value or "\r" in value or "#SBATCH" in value.upper() or not allowed.match(value):
+        raise invalid(key, value, "it goes into the generated sbatch script, and newlines, '#SBATCH' "
+                      "and shell metacharacters are refused there (put shell in cluster.setup, "
+                      "the one place meant for it)", f"{key}=<a plain SLURM name>")
+
+
+# ------------------------------------------------------------------------------------------------
+# jobs.prepare
+
+
+PREPARE_FORMATS = ("auto", "npy_dir", "pt", "megatron")
+
+
+@dataclass
+class PrepareConfig:
+    """``python -m jobs.prepare input=... output=...``: raw samples -> a sharded dataset."""
+
+    input: str = MISSING  # a directory of .npy files, a .pt file, or a Megatron prefix (PREFIX.bin/.idx)
+    output: str = MISSING  # the dataset directory to create; must not exist unless overwrite=true
+    format: str = "auto"  # auto | npy_dir | pt | megatron (auto: detected from the input path)
+    shard_bytes: int = 256 * 2**20  # a shard's data file is rolled over at this size; no 4 GiB cap
+    field: str = "x"  # field name given to samples that are a bare array (npy, megatron, list of tensors)
+    num_workers: int = 0  # reader processes; 0 picks min(4, cpu count) when the input allows it
+    overwrite: bool = False  # replace an existing dataset at output (published atomically)
+
+    def __post_init__(self) -> None:
+        if self.format not in PREPARE_FORMATS:
+            raise invalid("format", self.format, f"choose one of {PREPARE_FORMATS}", "format=auto")
+        if self.shard_bytes < 8:
+            raise invalid("shard_bytes", self.shard_bytes, "must be >= 8",
+                          f"shard_bytes={256 * 2**20}")
+        if not self.field:
+            raise invalid("field", self.field, "must be a non-empty name", "field=x")
+        if self.num_workers < 0:
+            raise invalid("num_workers", self.num_workers, "must be >= 0 (0 picks for you)",
+                          "num_workers=0")
+        for key in ("input", "output"):
+            if getattr(self, key) == "":
+                raise invalid(key, "", "must be a path", f"{key}=/path/to/data")
+
+
+# ------------------------------------------------------------------------------------------------
+# jobs.train
+
+
+@dataclass
+class TrainConfig:
+    """``python -m jobs.train``: the groups composed into one run."""
+
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Register every schema; called by each Hydra entry point before it composes."""
+    cs = ConfigStore.instance()
+    cs.store(name="prepare_schema", node=PrepareConfig)
+    cs.store(group="parallelism", name="base_parallelism", node=ParallelismConfig)
+    cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
+    cs.store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,120 @@
+"""Process-group start-up that cannot collide on a port and fails fast instead of hanging.
+
+Hashing the job id into a port (submitit, Lightning) collides when two jobs share a node. Here rank 0
+asks the OS for a free port (a TCPStore bound to port 0), then publishes ``host:port`` in a file in
+the job's directory, which every rank can read (submitit requires that directory to be shared). The
+file name carries the job id and restart count, so a requeued job never reads its previous run's
+address. Every wait has a deadline with a message that says what to check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.dist_env import DistEnv
+
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not find each other; the message says which side and what to check."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+
+def endpoint_file(rdzv_dir: Path, env: DistEnv) -> Path:
+    return rdzv_dir / f"rdzv-{env.job_id}-r{env.restart_count}.json"
+
+
+def resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise RendezvousError(
+            f"master address {host!r} (the node of rank 0) does not resolve on "
+            f"{socket.gethostname()}: add it to DNS or /etc/hosts (the local cluster does this "
+            f"in `switchyard cluster up`)") from e
+
+
+def publish(path: Path, endpoint: Endpoint) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"host": endpoint.host, "port": endpoint.port}))
+    os.replace(tmp, path)  # readers see the whole file or none
+
+
+def wait_for_endpoint(path: Path, timeout_s: float) -> Endpoint:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            data = json.loads(path.read_text())
+            return Endpoint(host=str(data["host"]), port=int(data["port"]))
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.05)
+    raise RendezvousError(
+        f"rank 0 did not publish its address in {path} within {timeout_s:.0f} s: check that rank 0 "
+        f"started (its log), and that {path.parent} is on a file system every node shares. "
+        f"Raise cluster.rendezvous_timeout_s if the nodes start far apart.")
+
+
+def start_store(env: DistEnv, rdzv_dir: Path, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 serves the store on a free port; the others connect to what it published."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.master_port is not None:  # torchrun already chose and serves the port
+        resolve(env.master_addr)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.is_main,
+                             timeout=timeout, wait_for_workers=False)
+    path = endpoint_file(rdzv_dir, env)
+    if env.is_main:
+        resolve(env.master_addr)
+        store = dist.TCPStore(env.master_addr, 0, env.world_size, True, timeout=timeout,
+                              wait_for_workers=False)
+        publish(path, Endpoint(env.master_addr, store.port))
+        return store
+    endpoint = wait_for_endpoint(path, timeout_s)
+    resolve(endpoint.host)
+    try:
+        return dist.TCPStore(endpoint.host, endpoint.port, env.world_size, False, timeout=timeout)
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise RendezvousError(f"rank {env.rank} on {env.hostname} cannot reach rank 0's store at "
+                              f"{endpoint.host}:{endpoint.port} within {timeout_s:.0f} s: {e}") from e
+
+
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+def init_process_group(env: DistEnv, rdzv_dir: Path, *, backend: str = "auto",
+                       rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
+                       collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> str:
+    """Join the job's process group; returns the backend used.
+
+    On GPU the caller sets the device from the local rank first (see ``orchestrator.runtime``), so
+    NCCL's communicator never lands on GPU 0 for every rank.
+    """
+    chosen = choose_backend(backend)
+    store = start_store(env, rdzv_dir, rendezvous_timeout_s)
+    dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    return chosen
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

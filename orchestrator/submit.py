@@ -1,0 +1,214 @@
+"""Config -> submitit executor (debug | local | slurm), and job results with failures explained.
+
+This is where typed config meets submitit: nothing past this module sees a DictConfig, and nothing
+before it sees submitit.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import submitit
+from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
+from submitit.local.local import LocalJob
+
+from orchestrator import dist_env
+from orchestrator.config import ClusterConfig, ParallelismConfig
+
+R = TypeVar("R")
+
+# srun ends the whole step when one task exits non-zero: the other ranks are killed instead of
+# waiting in a collective for the 30-minute default timeout.
+FAIL_FAST_SRUN_ARGS = ("--kill-on-bad-exit=1",)
+
+
+class JobFailedError(RuntimeError):
+    """A job ended without results; the message names the failing rank(s), node and log tail."""
+
+    def __init__(self, message: str, job_id: str, failed_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.failed_ranks = failed_ranks
+
+
+def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
+                  folder: Path) -> submitit.Executor:
+    """The executor for ``cluster.mode``; one task per GPU, or per process on CPU."""
+    if cluster.mode == "debug":
+        return submitit.DebugExecutor(folder=folder)
+    if cluster.mode == "local":
+        executor: submitit.Executor = submitit.LocalExecutor(folder=folder)
+        # One machine: all ranks of all "nodes" run here, so multi-node configs still run locally.
+        executor.update_parameters(tasks_per_node=parallelism.world_size, nodes=1,
+                                   timeout_min=cluster.timeout_min)
+        return executor
+    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
+    slurm.update_parameters(**slurm_parameters(cluster, parallelism))
+    return slurm
+
+
+def slurm_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "job_name": cluster.job_name,
+        "nodes": parallelism.nodes,
+        "ntasks_per_node": parallelism.tasks_per_node,
+        "cpus_per_task": cluster.cpus_per_task,
+        "time": cluster.timeout_min,
+        "signal_delay_s": cluster.signal_delay_s,
+        "setup": list(cluster.setup),
+        "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args],
+        "stderr_to_stdout": False,
+    }
+    if parallelism.gpus_per_node > 0:
+        params["gpus_per_node"] = parallelism.gpus_per_node
+    if cluster.mem_gb is not None:
+        params["mem"] = f"{int(cluster.mem_gb * 1024)}M"
+    optional = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
+                "constraint": cluster.constraint, "exclude": cluster.exclude,
+                "comment": cluster.comment}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+RANK_BANNER = "switchyard: rank {rank}/{world} on node {node} (local rank {local}, job {job})"
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """What each task runs: say who it is in its log first, then call the job function.
+
+    submitit logs the OS hostname; on SLURM the node *name* (``n1``) is what a user looks up in
+    ``sinfo``/``sacct``, so failures are reported with the line printed here.
+    """
+
+    fn: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        env = dist_env.detect()
+        print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
+                                 local=env.local_rank, job=env.job_id), flush=True)
+        return self.fn(*args, **kwargs)
+
+
+def submit(executor: submitit.Executor, fn: Callable[..., R], *args: Any, **kwargs: Any
+           ) -> submitit.Job[R]:
+    return executor.submit(RankEntry(fn), *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    result: Any = None
+    error: str | None = None  # the rank's own traceback, when it raised
+    no_output: str | None = None  # it never wrote a result: killed, or the job died around it
+
+
+def _tasks(job: submitit.Job[Any]) -> list[submitit.Job[Any]]:
+    return list(job._sub_jobs) or [job]  # submitit keeps one sub-job per task of a multi-task job
+
+
+def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> None:
+    """Wait for the job; in local mode, as soon as one rank has raised, cancel the rest instead of
+    letting them wait in a collective. On SLURM, srun's --kill-on-bad-exit does that, and a cancel
+    from here would record the job as CANCELLED instead of FAILED."""
+    while isinstance(job, LocalJob) and not job.done():
+        if any(_raised(task) for task in _tasks(job)):
+            job.cancel(check=False)
+            break
+        time.sleep(poll_s)
+    job.wait()
+
+
+def _raised(task: submitit.Job[Any]) -> bool:
+    path = task.paths.result_pickle
+    if not path.exists():
+        return False
+    try:
+        outcome, _ = pickle_load(path)
+    except Exception:  # half-written: look again at the next poll
+        return False
+    return bool(outcome == "error")
+
+
+def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
+    """Per-rank results; waits for the job to end (failing fast when a rank raises)."""
+    wait_fail_fast(job)
+    tasks = _tasks(job)
+    outcomes = []
+    for rank, task in enumerate(tasks):
+        if not task.paths.result_pickle.exists():
+            # The job has ended: a missing result will not appear (submitit would wait 15 s per
+            # rank for it). The rank was killed, or the job died before it could write one.
+            outcomes.append(RankOutcome(rank, no_output=f"no result (job state {job.state}); "
+                                        f"log tail:\n{_read_tail(task.paths.stderr, 15)}"))
+            continue
+        try:
+            outcomes.append(RankOutcome(rank, result=task.result()))
+        except FailedJobError as e:
+            outcomes.append(RankOutcome(rank, error=str(e)))
+        except UncompletedJobError as e:
+            outcomes.append(RankOutcome(rank, no_output=str(e)))
+    return outcomes
+
+
+def results(job: submitit.Job[R]) -> list[R]:
+    """Every rank's return value, or :class:`JobFailedError` naming who failed and why.
+
+    Debug jobs run in this process when asked for their result, and their exceptions propagate
+    unchanged, so a debugger stops where the error happened.
+    """
+    if isinstance(job, submitit.DebugJob):
+        return job.results()
+    outcomes = rank_outcomes(job)
+    if all(o.error is None and o.no_output is None for o in outcomes):
+        return [o.result for o in outcomes]
+    raise failure(job, outcomes)
+
+
+def failure(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobFailedError:
+    raised = [o for o in outcomes if o.error is not None]
+    # A rank that raised is the cause; ranks with no output were usually killed because of it.
+    culprits = raised or [o for o in outcomes if o.no_output is not None]
+    lines = [f"job {job.job_id} failed ({job.state}):"]
+    for o in culprits[:4]:
+        node = node_of(job, o.rank)
+        lines.append(f"rank {o.rank}{f' on node {node}' if node else ''}: "
+                     f"{_tail(o.error or o.no_output or '', 25)}")
+    others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})
+    if raised and others:
+        lines.append(f"ranks {others} were stopped after rank {raised[0].rank} failed.")
+    lines.append(f"logs: {job.paths.folder}")
+    return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
+
+
+_NODE = re.compile(r"switchyard: rank \d+/\d+ on node (\S+)")
+
+
+def node_of(job: submitit.Job[Any], rank: int) -> str | None:
+    """The node a rank ran on, from the first line submitit writes to the rank's log."""
+    tasks = _tasks(job)
+    if rank >= len(tasks):
+        return None
+    try:
+        with open(tasks[rank].paths.stdout) as f:
+            match = _NODE.search(f.read(8192))
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _read_tail(path: Path, lines: int) -> str:
+    try:
+        return _tail(path.read_text(errors="replace"), lines)
+    except OSError:
+        return "(no log)"
+
+
+def _tail(text: str, lines: int) -> str:
+    kept = text.strip().splitlines()[-lines:]
+    return "\n    ".join(kept)

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from jobs.train import load_config
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_configs
+
+register_configs()
+
+
+def compose_train(*overrides: str):  # type: ignore[no-untyped-def]
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def test_default_is_local_two_ranks() -> None:
+    cfg = load_config(compose_train())
+    assert cfg.cluster.mode == "local"
+    assert cfg.parallelism.world_size == 2
+
+
+@pytest.mark.parametrize("mode", ["debug", "local", "slurm"])
+def test_each_mode_composes(mode: str) -> None:
+    assert load_config(compose_train(f"cluster={mode}")).cluster.mode == mode
+
+
+def test_bad_value_names_key_value_and_fix() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(compose_train("parallelism.nodes=0"))
+    assert str(info.value) == "parallelism.nodes=0 is invalid: must be >= 1 (try parallelism.nodes=1)"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("partition", "gpu\n#SBATCH --uid=0"), ("account", "a;b"), ("qos", "$(id)"),
+    ("job_name", "x`id`"), ("exclude", "n1 n2"), ("comment", "hi\n#SBATCH --x"),
+    ("constraint", "a;reboot"),
+])
+def test_sbatch_values_refuse_injection(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"cluster.{key}=.*sbatch script"):
+        ClusterConfig(mode="slurm", **{key: value})
+
+
+def test_plain_slurm_values_pass() -> None:
+    cfg = ClusterConfig(mode="slurm", partition="gpu-a100", account="proj_1", qos="high",
+                        constraint="a100&ib", exclude="n[3-4],n7", comment="sweep 12: lr=3e-4")
+    assert cfg.partition == "gpu-a100"
+
+
+def test_srun_args_are_checked_one_by_one() -> None:
+    with pytest.raises(ConfigError, match=r"cluster.srun_args\[1\]"):
+        ClusterConfig(srun_args=["--cpu-bind=none", "--x;rm"])
+
+
+def test_nccl_needs_gpus() -> None:
+    with pytest.raises(ConfigError, match="nccl needs GPUs"):
+        ParallelismConfig(backend="nccl", gpus_per_node=0)
+
+
+def test_tasks_per_node_is_gpus_or_processes() -> None:
+    assert ParallelismConfig(nodes=2, gpus_per_node=4).world_size == 8
+    assert ParallelismConfig(nodes=2, gpus_per_node=0, procs_per_node=3).world_size == 6

@@ -1,0 +1,41 @@
+"""Real multi-process DDP through submitit's local executor: the no-cluster path."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import smoke
+from orchestrator import submit
+from orchestrator.config import ClusterConfig, ParallelismConfig
+
+
+def test_local_mode_runs_every_rank(tmp_path: Path) -> None:
+    executor = submit.make_executor(ClusterConfig(mode="local"),
+                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs")
+    results = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
+    assert sorted(r["rank"] for r in results) == [0, 1, 2]
+    assert all(r["reduced"] == 6.0 and r["backend"] == "gloo" for r in results)
+
+
+def test_debug_mode_runs_in_process(tmp_path: Path) -> None:
+    executor = submit.make_executor(ClusterConfig(mode="debug"), ParallelismConfig(), tmp_path)
+    [result] = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
+    assert result["world_size"] == 1 and result["reduced"] == 1.0
+
+
+def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path) -> None:
+    executor = submit.make_executor(ClusterConfig(mode="local"),
+                                    ParallelismConfig(procs_per_node=2), tmp_path / "jobs")
+    start = time.monotonic()
+    job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), fail_on_rank=1,
+                        rendezvous_timeout_s=300)
+    with pytest.raises(submit.JobFailedError) as info:
+        submit.results(job)
+    # rank 0 would otherwise wait the whole 300 s rendezvous timeout for rank 1
+    assert time.monotonic() - start < 120
+    assert info.value.failed_ranks == [1]
+    assert "rank 1 on node" in str(info.value)
+    assert "deliberate failure on rank 1" in str(info.value)

@@ -1,0 +1,61 @@
+"""The local cluster's pieces that need no root: config rendering and the port check."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from orchestrator.localcluster import cluster
+
+
+def layout(tmp_path: Path, **kw: int) -> cluster.Layout:
+    return cluster.Layout(state_dir=tmp_path, hostname="host1", **kw)  # type: ignore[arg-type]
+
+
+def test_slurm_conf_declares_two_nodes_on_loopback_with_state_under_state_dir(tmp_path: Path) -> None:
+    text = cluster.render_slurm_conf(layout(tmp_path), cpus=2, memory_mb=1000)
+    assert "NodeName=n[1-2] NodeHostname=host1 NodeAddr=127.0.0.1 Port=17001-17002 CPUs=2" in text
+    assert "AccountingStorageType=accounting_storage/slurmdbd" in text
+    assert "ProctrackType=proctrack/linuxproc" in text
+    for line in text.splitlines():
+        if line.split("=")[0] in ("StateSaveLocation", "SlurmdSpoolDir", "SlurmctldPidFile",
+                                  "SlurmdPidFile", "SlurmctldLogFile", "SlurmdLogFile"):
+            assert line.split("=", 1)[1].startswith(str(tmp_path)), line
+
+
+def test_slurmdbd_conf_points_at_our_database(tmp_path: Path) -> None:
+    text = cluster.render_slurmdbd_conf(layout(tmp_path, mysql_port=23306), "pw")
+    assert "StoragePort=23306" in text and "StoragePass=pw" in text
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_taken_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        lay = layout(tmp_path, slurmctld_port=port, slurmdbd_port=free_port(),
+                     mysql_port=free_port(), first_slurmd_port=free_port())
+        with pytest.raises(cluster.ClusterError, match=f"port {port} .*slurmctld.*taken"):
+            cluster.check_ports(lay)
+
+
+def test_down_never_signals_a_pid_that_is_not_our_daemon(tmp_path: Path) -> None:
+    lay = layout(tmp_path)
+    slurmctld = cluster.daemons(lay)[3]
+    slurmctld.pid_file.parent.mkdir(parents=True)
+    slurmctld.pid_file.write_text("1\n")  # pid 1 is alive, but it is not slurmctld
+    assert cluster.running_pid(slurmctld) is None
+
+
+def test_non_root_gets_told_to_use_sudo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(cluster.ClusterError, match=r"must run as root.*sudo"):
+        cluster.check_root()
