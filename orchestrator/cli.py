@@ -25,6 +25,12 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from sharding.verify import run_verify_cli
+
+    return run_verify_cli(args.path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="how long up waits for the nodes to become idle")
     p.set_defaults(func=_cluster)
+
+    p = sub.add_parser("verify", help="check a sharded dataset: structure and every file's checksum")
+    p.add_argument("path", help="the dataset directory (the one holding manifest.json)")
+    p.set_defaults(func=_verify)
     return parser
 
 
