@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -164,16 +166,151 @@ class PrepareConfig:
 
 
 # ------------------------------------------------------------------------------------------------
-# jobs.train
+# jobs.train: model, data, optim, memory, checkpoint
+
+AMP_MODES = ("none", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine", "linear")
+POLICIES = ("pad", "drop")
+
+
+@dataclass
+class MlpConfig:
+    """Row-pooling MLP: embeds each row, masked mean over rows, then an MLP head."""
+
+    _target_: str = "jobs.models.RowPoolingMLP"
+    hidden_dim: int = 64
+    num_layers: int = 2
+
+
+@dataclass
+class TransformerConfig:
+    """A small transformer encoder over the rows of a sample, masked mean-pooled."""
+
+    _target_: str = "jobs.models.RowTransformer"
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    ff_dim: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    """What each rank reads. ``path: null`` generates a small demo dataset once, into cache_dir."""
+
+    path: str | None = None  # training dataset directory (made by jobs.prepare or DatasetWriter)
+    eval_path: str | None = None  # evaluation dataset; null with path set: no evaluation
+    cache_dir: str = "~/.cache/switchyard/datasets"  # where the demo dataset is generated once
+    input_field: str = "x"  # variable-length [rows, features] float field fed to the model
+    target_field: str = "y"  # int64 class label
+    num_classes: int | None = None  # classes of target_field; null: demo_classes for the demo dataset
+    batch_size: int = 32  # per rank, per micro-step
+    num_workers: int = 0  # DataLoader workers per rank
+    policy: str = "pad"  # pad: every sample once, padding flagged; drop: never repeat
+    group_by_length: bool = False  # batch similar row counts together to cut padding
+    demo_num_samples: int = 4096  # demo dataset size (train; eval is a quarter of it)
+    demo_features: int = 16
+    demo_classes: int = 4
+    demo_max_rows: int = 48
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise invalid("data.policy", self.policy, f"choose one of {POLICIES}", "data.policy=pad")
+        for key in ("batch_size", "demo_num_samples", "demo_features", "demo_classes", "demo_max_rows"):
+            if getattr(self, key) < 1:
+                raise invalid(f"data.{key}", getattr(self, key), "must be >= 1", f"data.{key}=32")
+        if self.num_workers < 0:
+            raise invalid("data.num_workers", self.num_workers, "must be >= 0", "data.num_workers=0")
+        if self.path is not None and self.num_classes is None:
+            raise invalid("data.num_classes", None, "needed with data.path (the model's output size)",
+                          "data.num_classes=10")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise invalid("data.num_classes", self.num_classes, "must be >= 2", "data.num_classes=2")
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value is not None and not (Path(value).expanduser() / "manifest.json").is_file():
+                raise invalid(f"data.{key}", value, "no dataset there (no manifest.json)",
+                              f"data.{key}=<a directory made by python -m jobs.prepare> or "
+                              f"data.{key}=null for the demo dataset")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    schedule: str = "constant"  # constant | cosine | linear (decay to 0 at max_steps)
+    warmup_steps: int = 0
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP syncs only on the last
+    clip_grad_norm: float = 0.0  # 0: no clipping
+    max_steps: int = 200  # optimizer steps
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise invalid("optim.name", self.name, f"choose one of {OPTIMIZERS}", "optim.name=adamw")
+        if self.schedule not in SCHEDULES:
+            raise invalid("optim.schedule", self.schedule, f"choose one of {SCHEDULES}",
+                          "optim.schedule=constant")
+        if self.lr <= 0:
+            raise invalid("optim.lr", self.lr, "must be > 0", "optim.lr=1e-3")
+        for key in ("grad_accum_steps", "max_steps"):
+            if getattr(self, key) < 1:
+                raise invalid(f"optim.{key}", getattr(self, key), "must be >= 1", f"optim.{key}=1")
+        if self.warmup_steps < 0 or self.clip_grad_norm < 0:
+            raise invalid("optim.warmup_steps/clip_grad_norm", (self.warmup_steps, self.clip_grad_norm),
+                          "must be >= 0", "optim.warmup_steps=0 optim.clip_grad_norm=0")
+
+
+@dataclass
+class MemoryConfig:
+    """The memory levers that turn an OOM into a run: precision, recomputation, accumulation."""
+
+    amp: str = "none"  # none | bf16 (autocast) | fp16 (autocast + grad scaler)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMP_MODES:
+            raise invalid("memory.amp", self.amp, f"choose one of {AMP_MODES}", "memory.amp=bf16")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # null: RUN_DIR/checkpoints
+    every_steps: int = 0  # 0: only at the end
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise invalid("checkpoint.every_steps", self.every_steps, "must be >= 0",
+                          "checkpoint.every_steps=100")
+        if self.keep_last < 1:
+            raise invalid("checkpoint.keep_last", self.keep_last, "must be >= 1", "checkpoint.keep_last=2")
 
 
 @dataclass
 class TrainConfig:
     """``python -m jobs.train``: the groups composed into one run."""
 
+    model: Any = MISSING  # a model schema above, or any dict with a _target_ (model=custom)
+    data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
+    eval_every_steps: int = 0  # 0: evaluate once, at the end
+    log_every_steps: int = 10
+    deterministic: bool = False  # torch.use_deterministic_algorithms: bit-exact reruns on CPU
+
+    def __post_init__(self) -> None:
+        if self.cluster.mode == "debug" and self.parallelism.world_size > 1:
+            # Not an error: debug mode exists to step through one rank.
+            gpus = min(self.parallelism.gpus_per_node, 1)
+            self.parallelism = ParallelismConfig(nodes=1, gpus_per_node=gpus, procs_per_node=1,
+                                                 backend=self.parallelism.backend)
 
 
 def register_configs() -> None:
@@ -183,3 +320,9 @@ def register_configs() -> None:
     cs.store(group="parallelism", name="base_parallelism", node=ParallelismConfig)
     cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
     cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="optim", name="base_optim", node=OptimConfig)
+    cs.store(group="memory", name="base_memory", node=MemoryConfig)
+    cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
+    cs.store(group="model", name="base_mlp", node=MlpConfig)
+    cs.store(group="model", name="base_transformer", node=TransformerConfig)

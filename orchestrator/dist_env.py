@@ -159,3 +159,13 @@ def expand_tasks_per_node(spec: str) -> list[int]:
             raise DistEnvError(f"cannot parse SLURM_TASKS_PER_NODE={spec!r}")
         result += [int(match.group(1))] * int(match.group(2) or 1)
     return result
+
+
+IN_JOB_ENV = "SWITCHYARD_IN_JOB"
+
+
+def inside_launched_job(environ: Mapping[str, str] | None = None) -> bool:
+    """True inside a task that Switchyard's sweep launcher started: the ranks are already placed,
+    so the entry point must train here instead of submitting another job."""
+    env = os.environ if environ is None else environ
+    return env.get(IN_JOB_ENV) == "1"

@@ -6,6 +6,7 @@ before it sees submitit.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -75,7 +76,7 @@ def slurm_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig) -> 
     return params
 
 
-RANK_BANNER = "switchyard: rank {rank}/{world} on node {node} (local rank {local}, job {job})"
+RANK_BANNER = "switchyard: rank {rank}/{world} on node {node} (local rank {local}, job {job}, pid {pid})"
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class RankEntry:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         env = dist_env.detect()
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
-                                 local=env.local_rank, job=env.job_id), flush=True)
+                                 local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
         return self.fn(*args, **kwargs)
 
 
@@ -172,18 +173,45 @@ def results(job: submitit.Job[R]) -> list[R]:
 
 def failure(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobFailedError:
     raised = [o for o in outcomes if o.error is not None]
-    # A rank that raised is the cause; ranks with no output were usually killed because of it.
-    culprits = raised or [o for o in outcomes if o.no_output is not None]
+    # A rank that raised is the cause; otherwise srun says which task died first (e.g. SIGKILL,
+    # the OOM killer); ranks with no output were usually killed because of it.
+    died = {rank: reason for rank, reason in srun_task_failures(job) if rank < len(outcomes)}
+    culprits = raised or [o for o in outcomes if o.rank in died] or \
+        [o for o in outcomes if o.no_output is not None]
     lines = [f"job {job.job_id} failed ({job.state}):"]
     for o in culprits[:4]:
         node = node_of(job, o.rank)
+        cause = f"srun reports the task {died[o.rank]}; " if o.rank in died and o.error is None else ""
         lines.append(f"rank {o.rank}{f' on node {node}' if node else ''}: "
-                     f"{_tail(o.error or o.no_output or '', 25)}")
+                     f"{cause}{_tail(o.error or o.no_output or '', 25)}")
     others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})
-    if raised and others:
-        lines.append(f"ranks {others} were stopped after rank {raised[0].rank} failed.")
+    if culprits and others and (raised or died):
+        lines.append(f"ranks {others} were stopped after rank {culprits[0].rank} failed.")
     lines.append(f"logs: {job.paths.folder}")
     return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
+
+
+_SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$", re.MULTILINE)
+
+
+def srun_task_failures(job: submitit.Job[Any]) -> list[tuple[int, str]]:
+    """(rank, reason) for tasks srun saw die on their own, in the order srun reported them.
+
+    After --kill-on-bad-exit fires, srun reports the ranks *it* stopped as "Terminated"; those are
+    consequences, not causes, and are left out.
+    """
+    try:
+        text = _tasks(job)[0].paths.stderr.read_text(errors="replace")  # the batch script's stderr
+    except OSError:
+        return []
+    found = []
+    for _node, tasks, reason in _SRUN_ERROR.findall(text):
+        if reason.strip() == "Terminated":
+            continue
+        for part in tasks.split(","):
+            lo, _, hi = part.partition("-")
+            found += [(rank, reason.strip().lower()) for rank in range(int(lo), int(hi or lo) + 1)]
+    return found
 
 
 _NODE = re.compile(r"switchyard: rank \d+/\d+ on node (\S+)")

@@ -41,15 +41,6 @@ def test_failing_rank_is_reported_with_its_error(tmp_path: Path) -> None:
     assert slurm_query.wait_for_terminal_states([job.job_id])[job.job_id] == "FAILED"
 
 
-def test_train_entry_point_on_slurm_prints_job_id(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert f"run_dir: {tmp_path}" in proc.stdout
-    assert "slurm_job_id: " in proc.stdout
-    assert proc.stdout.count("all_reduce -> 10.0") == 4
-
-
 def test_cluster_up_is_idempotent_and_down_up_cycles() -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "orchestrator.cli", "cluster", *args],

@@ -1,0 +1,71 @@
+"""Preemption and time limits, handled at a step boundary instead of inside a signal handler.
+
+A signal can arrive while a rank is inside an all-reduce; checkpointing from the handler there
+(what submitit and Lightning do) saves a half-updated state or deadlocks. Here a handler only
+records *that* a stop was asked for. After each optimizer step all ranks OR their flags together
+(one tiny all-reduce), so they all stop at the same step, rank 0 writes the checkpoint while the
+others wait, and only then is the job requeued.
+
+Which signal means what:
+- ``SIGUSR2``: SLURM's ``--signal=USR2@cluster.signal_delay_s`` before the time limit. Switchyard
+  requeues the job itself (``scontrol requeue``), up to ``cluster.max_requeues`` times.
+- ``SIGTERM``: preemption (or ``scancel``). The checkpoint is written; SLURM decides whether the job
+  comes back (partitions with ``PreemptMode=REQUEUE`` requeue it), so Switchyard does not requeue.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+from enum import IntEnum
+from types import FrameType
+
+
+class StopReason(IntEnum):
+    """Ordered so that a MAX-reduction across ranks picks the most severe reason."""
+
+    NONE = 0
+    TIME_LIMIT = 1  # SIGUSR2: requeue ourselves
+    PREEMPTED = 2  # SIGTERM: checkpoint, let SLURM decide
+
+
+class RequeueLimitError(RuntimeError):
+    """The job hit its time limit more times than cluster.max_requeues allows."""
+
+
+class JobStopped(SystemExit):
+    """Raised on every rank after the checkpoint, to leave without writing a (fake) result."""
+
+
+class StopFlag:
+    """Set from signal handlers; read (and reduced across ranks) at step boundaries."""
+
+    def __init__(self) -> None:
+        self._reason = StopReason.NONE
+        self._lock = threading.Lock()
+
+    @property
+    def reason(self) -> StopReason:
+        return self._reason
+
+    def request(self, reason: StopReason) -> None:
+        with self._lock:
+            self._reason = max(self._reason, reason)
+
+    def install(self) -> None:
+        """Replace the launcher's handlers (submitit checkpoints inside them, on rank 0 only)."""
+        signal.signal(signal.SIGUSR2, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.request(StopReason.TIME_LIMIT if signum == signal.SIGUSR2 else StopReason.PREEMPTED)
+
+
+def requeue(job_id: str) -> None:
+    """Put this SLURM job back in the queue; it restarts with SLURM_RESTART_COUNT + 1."""
+    # Array tasks are named ARRAYID_TASKID, which scontrol accepts as they are.
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")

@@ -1,0 +1,140 @@
+"""One rank's runtime: device, process group, DDP wrapping, and the collectives the trainer needs.
+
+Order matters on GPU: the device is set from the local rank *before* the process group starts,
+otherwise every rank's NCCL communicator (and anything created on the "current" device) lands on
+GPU 0. Models are wrapped in DistributedDataParallel, never DataParallel, which drives all GPUs
+from one process and in practice leaves GPU 0 doing the work.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator import rendezvous
+from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.dist_env import DistEnv
+
+
+class StartupMismatchError(RuntimeError):
+    """Ranks disagree on something that must be equal before the first step (would hang later)."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    env: DistEnv
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+
+def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
+          rdzv_dir: Path) -> Runtime:
+    device = _select_device(env, parallelism)
+    # Ranks sharing a node share its cores: without a budget each would start one thread per core.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    backend = rendezvous.init_process_group(
+        env, rdzv_dir, backend=parallelism.backend,
+        rendezvous_timeout_s=cluster.rendezvous_timeout_s,
+        collective_timeout_s=cluster.collective_timeout_s)
+    return Runtime(env=env, device=device, backend=backend)
+
+
+def _select_device(env: DistEnv, parallelism: ParallelismConfig) -> torch.device:
+    if parallelism.gpus_per_node == 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"parallelism.gpus_per_node={parallelism.gpus_per_node} but rank "
+                           f"{env.rank} on {env.hostname} sees no CUDA device (try "
+                           f"parallelism.gpus_per_node=0 for CPU training)")
+    if env.local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"local rank {env.local_rank} on {env.hostname} has no GPU of its own: "
+                           f"{torch.cuda.device_count()} visible, parallelism.gpus_per_node="
+                           f"{parallelism.gpus_per_node}")
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def stop() -> None:
+    rendezvous.destroy_process_group()
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Same model init on every rank (seed); per-rank streams for anything random in data/dropout."""
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed)
+
+
+def wrap(model: nn.Module, rt: Runtime) -> DistributedDataParallel:
+    if isinstance(model, nn.DataParallel):
+        warnings.warn("the model arrived wrapped in nn.DataParallel: unwrapping it. DataParallel "
+                      "drives every GPU from one process and leaves GPU 0 doing most of the work; "
+                      "Switchyard runs one process per GPU with DistributedDataParallel instead.",
+                      stacklevel=2)
+        model = model.module
+    model = model.to(rt.device)
+    device_ids = [rt.device.index] if rt.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives
+
+
+def agree(rt: Runtime, **values: int | str) -> None:
+    """Every rank must hold the same values; if not, every rank raises the same clear error.
+
+    Called before the first step: a rank with a different batch count would otherwise hang at
+    the collective after its last batch, and a different dataset would train silently wrong.
+    """
+    mine = dict(sorted(values.items()))
+    everyone: list[Any] = [None] * rt.env.world_size
+    dist.all_gather_object(everyone, mine)
+    if all(v == mine for v in everyone):
+        return
+    lines = [f"  rank {r}: " + ", ".join(f"{k}={v}" for k, v in vals.items())
+             for r, vals in enumerate(everyone)]
+    raise StartupMismatchError("ranks disagree before the first step (this would hang or train on "
+                               "different data):\n" + "\n".join(lines) +
+                               "\nCheck that every node sees the same dataset files and config.")
+
+
+def global_mean(rt: Runtime, total: float, count: float) -> tuple[float, float]:
+    """(sum over ranks of total / sum over ranks of count, global count): the correct mean."""
+    t = torch.tensor([total, count], dtype=torch.float64)
+    dist.all_reduce(t)
+    return (float(t[0] / t[1]) if t[1] > 0 else float("nan")), float(t[1])
+
+
+def gather(rt: Runtime, value: Any) -> list[Any]:
+    """One value per rank, in rank order, on every rank."""
+    out: list[Any] = [None] * rt.env.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def reduce_max(rt: Runtime, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def broadcast(rt: Runtime, value: Any) -> Any:
+    """Rank 0's value, on every rank."""
+    box = [value if rt.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

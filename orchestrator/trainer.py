@@ -1,0 +1,426 @@
+"""What every rank runs: build, agree, train, evaluate, summarise.
+
+Loss and metrics treat padding entries (``is_pad``, from the sampler's ``pad`` policy) as absent:
+they keep every rank's batch count equal without counting any sample twice. Metrics are reduced
+as global sum / global count over all ranks, never one rank's view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import math
+import random
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import xxhash
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from orchestrator import checkpoint, dist_env, preemption, runtime
+from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
+from orchestrator.runtime import Runtime
+from sharding import ShardedDataset, open_dataset
+from sharding.loader import make_loader
+from sharding.partition import Policy
+from sharding.sampler import ShardedSampler
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DataPaths:
+    train: str
+    eval: str | None
+
+
+# ------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def build_model(spec: Any, in_features: int, num_classes: int, memory: MemoryConfig) -> nn.Module:
+    """Instantiate ``spec._target_`` with the dataset's shape and the rest of spec as kwargs."""
+    kwargs = dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
+    target = kwargs.pop("_target_", None)
+    model_cls = import_target(target)
+    model = model_cls(in_features=in_features, num_classes=num_classes, **kwargs)
+    if memory.activation_checkpointing:
+        if not hasattr(model, "enable_activation_checkpointing"):
+            raise ConfigError(f"memory.activation_checkpointing=true but model {target} has no "
+                              f"enable_activation_checkpointing() "
+                              f"(try memory.activation_checkpointing=false)")
+        model.enable_activation_checkpointing()
+    return model
+
+
+def import_target(target: Any) -> Any:
+    if not isinstance(target, str) or "." not in target:
+        raise ConfigError(f"model._target_={target!r} is invalid: it must be a dotted path to a model "
+                          f"class (try model=mlp, model=transformer, or model._target_=my_pkg.Net)")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"model._target_={target!r} cannot be imported ({e}) (try model=mlp, "
+                          f"model=transformer, or a class importable on every node)") from e
+
+
+def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+        if cfg.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if cfg.schedule == "linear":
+            return max(1.0 - progress, 0.0)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager[Any]:
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def param_checksum(model: nn.Module) -> str:
+    """xxh3 of every parameter's bytes in name order: equal across ranks iff weights are equal."""
+    h = xxhash.xxh3_64()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def feature_count(ds: ShardedDataset, field: str) -> int:
+    """Trailing size of a [rows, features] field: the model's input width."""
+    return int(ds.schema[field].shape[-1] or 0)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+# ------------------------------------------------------------------------------------------------
+# One micro-step and evaluation
+
+
+def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.device,
+               denominator: float) -> tuple[torch.Tensor, float, float]:
+    """(loss for backward, sum of per-sample losses, number of real samples) of one batch.
+
+    The loss divides by a fixed denominator (batch size x accumulation steps) rather than by this
+    batch's real count, so k accumulated micro-batches give exactly the gradient of one batch k
+    times larger, and padding entries contribute nothing.
+    """
+    field, target = cfg.data.input_field, cfg.data.target_field
+    x = batch[field].to(device, non_blocking=True)
+    mask = batch[f"{field}_mask"].to(device, non_blocking=True)
+    y = batch[target].to(device, non_blocking=True)
+    real = (~batch["is_pad"]).to(device)
+    with autocast(device, cfg.memory.amp):
+        logits = model(x, mask)
+    per_sample = F.cross_entropy(logits.float(), y, reduction="none") * real
+    total = per_sample.sum()
+    return total / denominator, float(total.detach()), float(real.sum())
+
+
+def backward_micro_batches(model: DistributedDataParallel, batches: list[Batch], cfg: TrainConfig,
+                           device: torch.device, scaler: torch.amp.GradScaler) -> tuple[float, float]:
+    """Accumulate gradients over micro-batches; DDP all-reduces only on the last (``no_sync``)."""
+    denominator = float(cfg.data.batch_size * len(batches))
+    total, count = 0.0, 0.0
+    for i, batch in enumerate(batches):
+        sync = i == len(batches) - 1
+        with contextlib.nullcontext() if sync else model.no_sync():
+            loss, batch_total, batch_count = batch_loss(model, batch, cfg, device, denominator)
+            scaler.scale(loss).backward()
+        total += batch_total
+        count += batch_count
+    return total, count
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, rt: Runtime) -> tuple[float, int]:
+    """(global mean eval loss, number of samples counted): every eval sample exactly once."""
+    model.eval()
+    total, count = 0.0, 0.0
+    for batch in loader:
+        _, batch_total, batch_count = batch_loss(model, batch, cfg, rt.device, 1.0)
+        total += batch_total
+        count += batch_count
+    model.train()
+    mean, global_count = runtime.global_mean(rt, total, count)
+    return mean, int(global_count)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint contents
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def compatibility(cfg: TrainConfig, in_features: int, num_classes: int) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it (shapes, not step counts)."""
+    spec = cfg.model
+    model = dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
+    return {"model": model, "in_features": in_features, "num_classes": num_classes,
+            "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16"}
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    changed = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
+               for k, v in current.items() if saved.get(k) != v]
+    if changed:
+        raise checkpoint.CheckpointError(
+            f"cannot resume from {path}: the config changed in ways the checkpoint cannot follow:\n  "
+            + "\n  ".join(changed) + "\nUse a new run directory (or checkpoint.dir) for a different "
+            "model; harmless changes such as optim.max_steps are allowed.")
+
+
+# ------------------------------------------------------------------------------------------------
+# The rank's job
+
+
+class Trainer:
+    """State of one rank's run; ``run()`` is the loop, the rest are its named steps."""
+
+    def __init__(self, cfg: TrainConfig, paths: DataPaths, run_dir: Path, rt: Runtime) -> None:
+        self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
+        self.train_ds: ShardedDataset = open_dataset(paths.train)
+        self.eval_ds = open_dataset(paths.eval) if paths.eval else None
+        num_classes = cfg.data.num_classes or cfg.data.demo_classes
+        runtime.seed_everything(cfg.seed, rt.env.rank)
+        model = build_model(cfg.model, feature_count(self.train_ds, cfg.data.input_field), num_classes,
+                            cfg.memory)
+        self.model: DistributedDataParallel = runtime.wrap(model, rt)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.schedule = build_schedule(self.optimizer, cfg.optim)
+        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.memory.amp == "fp16")
+        self.sampler = ShardedSampler(self.train_ds.shard_counts, world_size=rt.env.world_size,
+                                      rank=rt.env.rank, seed=cfg.seed,
+                                      policy=cast(Policy, cfg.data.policy))
+        self.loader = make_loader(self.train_ds, self.sampler, batch_size=cfg.data.batch_size,
+                                  num_workers=cfg.data.num_workers,
+                                  group_by_length=cfg.data.group_by_length)
+        self.step = 0
+        self.samples_seen = 0  # real samples this rank trained on
+        self.batches_seen = 0
+        self.compat = compatibility(cfg, feature_count(self.train_ds, cfg.data.input_field), num_classes)
+        self.stop = preemption.StopFlag()
+
+    def eval_loader(self) -> Any:
+        assert self.eval_ds is not None
+        sampler = ShardedSampler(self.eval_ds.shard_counts, world_size=self.rt.env.world_size,
+                                 rank=self.rt.env.rank, seed=self.cfg.seed, policy="pad", shuffle=False)
+        return make_loader(self.eval_ds, sampler, batch_size=self.cfg.data.batch_size,
+                           num_workers=self.cfg.data.num_workers)
+
+    def agree_before_first_step(self) -> None:
+        eval_batches = len(self.eval_loader()) if self.eval_ds is not None else 0
+        runtime.agree(self.rt, batches_per_epoch=len(self.loader), eval_batches=eval_batches,
+                      train_fingerprint=self.train_ds.fingerprint,
+                      eval_fingerprint=self.eval_ds.fingerprint if self.eval_ds else "-")
+
+    def batches(self) -> Iterator[Batch]:
+        """Endless stream of this rank's batches, epoch after epoch (equal counts on every rank)."""
+        epoch = self.sampler.epoch
+        while True:
+            yield from self.loader
+            epoch += 1
+            self.sampler.set_epoch(epoch)
+
+    def optimizer_step(self, stream: Iterator[Batch]) -> tuple[float, float]:
+        """k micro-batches, then one optimizer step; returns (loss sum, real sample count)."""
+        batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
+        total, count = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler)
+        self.batches_seen += len(batches)
+        self.sampler.advance(sum(len(b["index"]) for b in batches))
+        if self.cfg.optim.clip_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        self.step += 1
+        self.samples_seen += int(count)
+        return total, count
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes (atomically) while the others wait; RNG states come from every rank."""
+        per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
+                                            "batches": self.batches_seen})
+        if self.rt.is_main:
+            state = {"step": self.step, "model": self.model.module.state_dict(),
+                     "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+                     "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
+                     "per_rank": per_rank, "compat": self.compat,
+                     "world_size": self.rt.env.world_size}
+            checkpoint.save(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
+        torch.distributed.barrier()  # no rank runs ahead of a checkpoint being written
+
+    def restore(self) -> None:
+        """Continue from the newest readable checkpoint of this run, if there is one.
+
+        Rank 0 chooses (an unreadable newest checkpoint is reported and the previous one used) and
+        tells the others, so every rank loads the same file.
+        """
+        found = checkpoint.load_latest(self.checkpoint_dir) if self.rt.is_main else None
+        chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
+        if chosen is None:
+            return
+        if found is None:
+            found = checkpoint.load_path(Path(chosen))
+        for note in found.skipped if self.rt.is_main else ():
+            print(f"warning: skipped unreadable checkpoint {note}", flush=True)
+        state = found.state
+        check_compatible(state["compat"], self.compat, found.path)
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        if state["world_size"] == self.rt.env.world_size:  # the same rank keeps its own streams
+            mine = state["per_rank"][self.rt.env.rank]
+            set_rng_state(mine["rng"])
+            self.samples_seen, self.batches_seen = int(mine["samples"]), int(mine["batches"])
+        if self.rt.is_main:
+            print(f"resumed from {found.path} at step {self.step}", flush=True)
+
+    def stop_requested(self) -> preemption.StopReason:
+        """The most severe stop any rank was asked for (one all-reduce of one integer)."""
+        return preemption.StopReason(runtime.reduce_max(self.rt, int(self.stop.reason)))
+
+    def stop_for(self, reason: preemption.StopReason) -> None:
+        """Checkpoint, then requeue (time limit) or leave it to SLURM (preemption), then exit."""
+        self.save_checkpoint()
+        env, cap = self.rt.env, self.cfg.cluster.max_requeues
+        if reason == preemption.StopReason.TIME_LIMIT and env.source == "slurm":
+            if env.restart_count >= cap:
+                raise preemption.RequeueLimitError(
+                    f"job {env.job_id} reached its time limit again after {env.restart_count} requeues "
+                    f"(cluster.max_requeues={cap}); checkpoint at step {self.step} is in "
+                    f"{self.checkpoint_dir}. Raise cluster.max_requeues or cluster.timeout_min, or "
+                    f"rerun with hydra.run.dir={self.run_dir} to continue.")
+            if env.is_main:
+                preemption.requeue(env.job_id)
+                print(f"requeued job {env.job_id} at step {self.step} "
+                      f"({env.restart_count + 1}/{cap} requeues)", flush=True)
+        elif env.is_main:
+            print(f"stopped by {reason.name} at step {self.step}; checkpoint in {self.checkpoint_dir}",
+                  flush=True)
+        raise preemption.JobStopped(-1)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
+
+    def due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def run(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.stop.install()
+        self.agree_before_first_step()
+        self.restore()
+        cfg, rt = self.cfg, self.rt
+        stream = self.batches()
+        window_total, window_count, train_loss = 0.0, 0.0, float("nan")
+        bar = tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not rt.is_main, dynamic_ncols=True)
+        window_start = time.perf_counter()
+        eval_loss, eval_counted = float("nan"), 0
+        metrics_log = open(self.run_dir / "metrics.jsonl", "a") if rt.is_main else None  # noqa: SIM115
+        with bar, metrics_log or contextlib.nullcontext() as log:
+            while self.step < cfg.optim.max_steps:
+                total, count = self.optimizer_step(stream)
+                window_total += total
+                window_count += count
+                last = self.step == cfg.optim.max_steps
+                if self.step % cfg.log_every_steps == 0 or last:
+                    train_loss, global_count = runtime.global_mean(rt, window_total, window_count)
+                    rate = global_count / max(time.perf_counter() - window_start, 1e-9)
+                    bar.set_postfix(loss=f"{train_loss:.4f}", samples_s=f"{rate:,.0f}")
+                    if log is not None:
+                        log.write(json.dumps({"step": self.step, "train_loss": train_loss,
+                                              "samples_per_s": rate, "t": time.time()}) + "\n")
+                        log.flush()
+                    window_total, window_count, window_start = 0.0, 0.0, time.perf_counter()
+                bar.update(1)
+                if self.eval_ds is not None and self.due(cfg.eval_every_steps):
+                    eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
+                if self.due(cfg.checkpoint.every_steps):
+                    self.save_checkpoint()
+                reason = self.stop_requested()
+                if reason != preemption.StopReason.NONE and not last:
+                    self.stop_for(reason)
+        if self.eval_ds is not None and not self.due(cfg.eval_every_steps):
+            eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
+        self.save_checkpoint()
+        return self.summarise(train_loss, eval_loss, eval_counted, time.perf_counter() - start)
+
+    def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float
+                  ) -> dict[str, Any]:
+        per_rank = runtime.gather(self.rt, {
+            "samples": self.samples_seen, "batches": self.batches_seen,
+            "checksum": param_checksum(self.model.module), "peak": peak_memory_bytes(self.rt.device),
+            "node": self.rt.env.hostname})
+        summary = {
+            "world_size": self.rt.env.world_size, "steps": self.step,
+            "samples_per_rank": [r["samples"] for r in per_rank],
+            "batches_per_rank": [r["batches"] for r in per_rank],
+            "param_checksum_per_rank": [r["checksum"] for r in per_rank],
+            "final_train_loss": train_loss, "final_eval_loss": eval_loss,
+            "eval_samples_counted": eval_counted,
+            "eval_set_size": len(self.eval_ds) if self.eval_ds is not None else 0,
+            "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
+            "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
+        }
+        if self.rt.is_main:
+            tmp = self.run_dir / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            tmp.replace(self.run_dir / "summary.json")
+        return summary
+
+
+def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:
+    """The function each rank runs (submitted through submitit in every mode)."""
+    env = dist_env.detect()
+    rt = runtime.start(env, cfg.parallelism, cfg.cluster, Path(run_dir) / "rendezvous")
+    try:
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        return Trainer(cfg, paths, Path(run_dir), rt).run()
+    finally:
+        runtime.stop()

@@ -1,0 +1,105 @@
+"""The training job end to end, without SLURM: local multi-process DDP and debug mode."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from orchestrator import runtime
+from orchestrator.dist_env import DistEnv
+
+# Small enough to finish in seconds on 2 cores, big enough that the loss visibly drops.
+SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16", "log_every_steps=5"]
+
+
+def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        capture_output=True, text=True, timeout=600)
+
+
+def read_summary(run_dir: Path) -> dict:  # type: ignore[type-arg]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def first_logged_loss(run_dir: Path) -> float:
+    return float(json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["train_loss"])
+
+
+def check_ddp_summary(summary: dict, world: int) -> None:  # type: ignore[type-arg]
+    assert summary["world_size"] == world
+    assert len(set(summary["samples_per_rank"])) == 1 or world == 1
+    assert len(set(summary["batches_per_rank"])) == 1
+    assert len(set(summary["param_checksum_per_rank"])) == 1, "ranks ended with different weights"
+    assert summary["eval_samples_counted"] == summary["eval_set_size"] == 128
+    assert len(summary["peak_mem_bytes_per_rank"]) == world
+
+
+def test_local_two_ranks_train_and_agree(tmp_path: Path) -> None:
+    proc = train(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert f"run_dir: {run_dir}" in proc.stdout
+    summary = read_summary(run_dir)
+    check_ddp_summary(summary, 2)
+    assert summary["final_train_loss"] < 0.7 * first_logged_loss(run_dir)
+    assert list((run_dir / "checkpoints").glob("step-*.pt"))
+
+
+def test_same_config_in_debug_mode(tmp_path: Path) -> None:
+    proc = train(tmp_path, "cluster=debug", "model=transformer", "memory.amp=bf16",
+                 "memory.activation_checkpointing=true", "optim.grad_accum_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(tmp_path / "run")
+    check_ddp_summary(summary, 1)
+    assert summary["steps"] == 40 and summary["batches_per_rank"] == [80]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.path=/nonexistent", "data.path='/nonexistent' is invalid: no dataset there"),
+    ("data.input_field=nope", "data.input_field='nope' is invalid"),
+    ("parallelism.gpus_per_node=2", "parallelism.gpus_per_node=2 is invalid: this machine has 0 GPUs"),
+    ("memory.amp=fp8", "memory.amp='fp8' is invalid"),
+    ("model=custom", "model._target_ is missing: it has no default (try model._target_=<value>"),
+    ("model=custom model._target_=nope.Net", "model._target_='nope.Net' cannot be imported"),
+])
+def test_bad_input_fails_before_submitting(tmp_path: Path, override: str, message: str) -> None:
+    proc = train(tmp_path, *override.split(), "data.num_classes=4")
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (tmp_path / "run" / "submitit").exists(), "nothing may be submitted"
+
+
+def _agree_worker(rank: int, store_path: str, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+                  master_addr="127.0.0.1", hostname="here", job_id="t", restart_count=0, source="local")
+    rt = runtime.Runtime(env=env, device=__import__("torch").device("cpu"), backend="gloo")
+    try:
+        runtime.agree(rt, batches_per_epoch=10 + rank, train_fingerprint="abc")
+        out.put((rank, "agreed"))
+    except runtime.StartupMismatchError as e:
+        out.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_all_stop_with_one_clear_error(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agree_worker, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for rank in (0, 1):
+        assert "ranks disagree before the first step" in results[rank]
+        assert "rank 0: batches_per_epoch=10" in results[rank]
+        assert "rank 1: batches_per_epoch=11" in results[rank]
