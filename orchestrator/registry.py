@@ -1,0 +1,591 @@
+"""The sweep registry: one SQLite file recording every sweep, its jobs and every attempt at each job.
+
+Vocabulary: a *sweep* is one ``-m`` invocation; a *job* is one point of it (Hydra's job number,
+its overrides, its run directory); an *attempt* is one submission of a job (a SLURM array task or
+plain job, or a local process). ``switchyard resubmit`` adds attempts to existing jobs.
+
+Who writes, and why it cannot lose an update:
+
+- The submitting process (the launcher, ``switchyard resubmit``) and the CLI (reconciliation,
+  ``cancel``) write. Array tasks never open the database: a task writes only its own small status
+  file next to its run directory (:class:`TaskStatus`, replaced atomically), so a hundred tasks
+  ending at the same moment write a hundred different files. Nodes need no access to the database
+  at all: it can sit on the login node's local disk, where SQLite locking works (on NFS it does not).
+- Writers that do meet (two terminals running ``switchyard status``, a blocking launcher and a
+  ``cancel``) are serialised by SQLite: WAL (readers never block the writer), ``BEGIN IMMEDIATE``
+  (a writer holds the write lock *before* it reads what it will change, so read-modify-write
+  cannot interleave) and a long busy timeout (a writer waits its turn instead of raising
+  "database is locked"). State updates are monotonic (:func:`progress`), so a reconciler that read
+  SLURM earlier cannot overwrite a newer state written by another one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REGISTRY_ENV = "SWITCHYARD_REGISTRY"
+DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
+BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
+SCHEMA_VERSION = 1
+
+# Attempt states: SLURM's own names, plus the two before SLURM knows the job.
+SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
+SUBMITTED = "SUBMITTED"  # sbatch answered; SLURM has not reported on it yet
+SUBMIT_FAILED = "SUBMIT_FAILED"  # sbatch refused it
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "OUT_OF_MEMORY", "BOOT_FAIL",
+                          "DEADLINE", SUBMIT_FAILED})
+# Terminal for now, but SLURM or the job itself may requeue it: keep asking for a day.
+REQUEUABLE_STATES = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL"})
+TERMINAL_STATES = FINAL_STATES | REQUEUABLE_STATES
+RECHECK_REQUEUABLE_S = 24 * 3600.0
+# What `resubmit --failed` reruns.
+RETRY_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+                          "BOOT_FAIL", "DEADLINE", SUBMIT_FAILED})
+_RANK = {SUBMITTING: 0, SUBMITTED: 1, "PENDING": 2, "REQUEUED": 2, "CONFIGURING": 3, "RUNNING": 3,
+         "COMPLETING": 3, "SUSPENDED": 3}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sweeps (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at  REAL NOT NULL,
+    app         TEXT NOT NULL,      -- hydra.job.name
+    command     TEXT NOT NULL,      -- the sweep's overrides, as typed
+    sweep_dir   TEXT NOT NULL,
+    executor    TEXT NOT NULL,      -- slurm | local
+    entry_path  TEXT NOT NULL       -- pickled task function + Hydra context the tasks load
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    sweep_id    INTEGER NOT NULL REFERENCES sweeps(id),
+    num         INTEGER NOT NULL,   -- hydra.job.num
+    overrides   TEXT NOT NULL,      -- JSON list
+    run_dir     TEXT NOT NULL,
+    resources   TEXT NOT NULL,      -- JSON: what the job asks of the executor (the array key)
+    total_steps INTEGER,            -- optim.max_steps when the config has it (progress)
+    PRIMARY KEY (sweep_id, num)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    sweep_id     INTEGER NOT NULL,
+    num          INTEGER NOT NULL,
+    attempt      INTEGER NOT NULL,  -- 1 at submission, +1 per resubmit
+    slurm_id     TEXT,              -- ARRAYID_INDEX, a plain job id, or a local pid
+    array_id     TEXT,
+    array_index  INTEGER,
+    state        TEXT NOT NULL,
+    requeues     INTEGER NOT NULL DEFAULT 0,
+    submitted_at REAL NOT NULL,
+    started_at   REAL,
+    ended_at     REAL,
+    exit_code    INTEGER,
+    node         TEXT,
+    error        TEXT,
+    log_dir      TEXT,
+    updated_at   REAL NOT NULL,
+    UNIQUE (sweep_id, num, attempt),
+    FOREIGN KEY (sweep_id, num) REFERENCES jobs(sweep_id, num)
+);
+CREATE INDEX IF NOT EXISTS attempts_by_state ON attempts(state);
+"""
+
+
+class RegistryError(RuntimeError):
+    """The registry cannot answer: unknown sweep or job, or an unreadable database."""
+
+
+def default_path() -> Path:
+    """``$SWITCHYARD_REGISTRY``, else ``~/.local/share/switchyard/registry.db``."""
+    return Path(os.environ.get(REGISTRY_ENV) or DEFAULT_PATH).expanduser()
+
+
+def progress(state: str, requeues: int) -> tuple[int, int]:
+    """Order of an attempt's life: a state may only move forward (requeues count as new lives)."""
+    return requeues, 4 if state in TERMINAL_STATES else _RANK.get(state, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows
+
+
+@dataclass(frozen=True)
+class Sweep:
+    id: int
+    created_at: float
+    app: str
+    command: str
+    sweep_dir: str
+    executor: str
+    entry_path: str
+
+
+@dataclass(frozen=True)
+class Job:
+    sweep_id: int
+    num: int
+    overrides: list[str]
+    run_dir: str
+    resources: dict[str, Any]
+    total_steps: int | None
+
+    @property
+    def ref(self) -> str:
+        """How a user names it on the command line: ``SWEEP/NUM``."""
+        return f"{self.sweep_id}/{self.num}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    id: int
+    sweep_id: int
+    num: int
+    attempt: int
+    slurm_id: str | None
+    array_id: str | None
+    array_index: int | None
+    state: str
+    requeues: int
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    node: str | None
+    error: str | None
+    log_dir: str | None
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What sbatch (or the local executor) answered for one claimed attempt."""
+
+    attempt_id: int
+    slurm_id: str
+    array_id: str | None
+    array_index: int | None
+    log_dir: str
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What reconciliation learned about one attempt; None fields leave the stored value."""
+
+    attempt_id: int
+    state: str
+    requeues: int = 0
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    node: str | None = None
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# The database
+
+
+class Registry:
+    """One connection to the registry file; create one per process (or thread)."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path).expanduser() if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in _write).
+            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            self._init_schema()
+        except sqlite3.DatabaseError as e:
+            raise RegistryError(f"cannot open the sweep registry {self.path}: {e} (set "
+                                f"{REGISTRY_ENV} to use another file)") from e
+
+    def _init_schema(self) -> None:
+        # WAL is a property of the file, set once; changing it needs a moment alone with the file,
+        # which the busy timeout gives us when many processes open a new registry at once.
+        if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across app crashes
+        if self._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+            return
+        with self._write() as db:
+            # Statement by statement: executescript would COMMIT the transaction first.
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                db.execute(statement)  # IF NOT EXISTS: a second process getting here changes nothing
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction holding the write lock from its first statement."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def create_sweep(self, app: str, command: str, sweep_dir: str, executor: str,
+                     entry_path: str) -> int:
+        with self._write() as db:
+            cur = db.execute("INSERT INTO sweeps (created_at, app, command, sweep_dir, executor, "
+                             "entry_path) VALUES (?, ?, ?, ?, ?, ?)",
+                             (time.time(), app, command, sweep_dir, executor, entry_path))
+            return int(cur.lastrowid or 0)
+
+    def add_jobs(self, jobs: Iterable[Job]) -> None:
+        with self._write() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO jobs (sweep_id, num, overrides, run_dir, resources, total_steps) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                [(j.sweep_id, j.num, json.dumps(j.overrides), j.run_dir,
+                  json.dumps(j.resources, sort_keys=True), j.total_steps) for j in jobs])
+
+    def claim(self, sweep_id: int, nums: Iterable[int]) -> dict[int, int]:
+        """New SUBMITTING attempts for these jobs, before sbatch runs: ``{num: attempt_id}``.
+
+        Claiming first means a submitter that dies after sbatch still left a row to find.
+        """
+        with self._write() as db:
+            return {num: self._insert_attempt(db, sweep_id, num) for num in nums}
+
+    def claim_retries(self, sweep_id: int, states: frozenset[str] = RETRY_STATES) -> dict[int, int]:
+        """Claim a new attempt for every job whose latest attempt ended in ``states``.
+
+        Read and insert happen under one write lock: two ``resubmit`` commands racing each other
+        resubmit each job once (the second sees the first one's SUBMITTING attempt).
+        """
+        with self._write() as db:
+            latest = db.execute(_LATEST_ATTEMPTS + " WHERE a.sweep_id = ?", (sweep_id,)).fetchall()
+            return {row["num"]: self._insert_attempt(db, sweep_id, row["num"])
+                    for row in latest if row["state"] in states}
+
+    @staticmethod
+    def _insert_attempt(db: sqlite3.Connection, sweep_id: int, num: int) -> int:
+        now = time.time()
+        cur = db.execute(
+            "INSERT INTO attempts (sweep_id, num, attempt, state, submitted_at, updated_at) "
+            "VALUES (?, ?, (SELECT COALESCE(MAX(attempt), 0) + 1 FROM attempts "
+            "WHERE sweep_id = ? AND num = ?), ?, ?, ?)",
+            (sweep_id, num, sweep_id, num, SUBMITTING, now, now))
+        return int(cur.lastrowid or 0)
+
+    def confirm(self, submitted: Iterable[Submitted]) -> None:
+        now = time.time()
+        with self._write() as db:
+            db.executemany(
+                "UPDATE attempts SET slurm_id = ?, array_id = ?, array_index = ?, log_dir = ?, "
+                "state = ?, submitted_at = ?, updated_at = ? WHERE id = ? AND state = ?",
+                [(s.slurm_id, s.array_id, s.array_index, s.log_dir, SUBMITTED, now, now,
+                  s.attempt_id, SUBMITTING) for s in submitted])
+
+    def fail_claims(self, attempt_ids: Iterable[int], error: str) -> None:
+        now = time.time()
+        with self._write() as db:
+            db.executemany("UPDATE attempts SET state = ?, error = ?, ended_at = ?, updated_at = ? "
+                           "WHERE id = ? AND state = ?",
+                           [(SUBMIT_FAILED, error[-2000:], now, now, i, SUBMITTING) for i in attempt_ids])
+
+    def observe(self, observations: Iterable[Observation]) -> int:
+        """Apply what reconciliation saw, in one transaction; returns how many attempts changed.
+
+        Each row is re-read under the write lock and only moved forward (:func:`progress`).
+        """
+        changed = 0
+        with self._write() as db:
+            for o in observations:
+                row = db.execute("SELECT * FROM attempts WHERE id = ?", (o.attempt_id,)).fetchone()
+                if row is None:
+                    continue
+                if progress(o.state, o.requeues) < progress(row["state"], row["requeues"]):
+                    continue
+                merged = _merge(dict(row), o)
+                if merged == dict(row):
+                    continue
+                merged["updated_at"] = time.time()
+                db.execute("UPDATE attempts SET state = :state, requeues = :requeues, "
+                           "started_at = :started_at, ended_at = :ended_at, exit_code = :exit_code, "
+                           "node = :node, error = :error, updated_at = :updated_at WHERE id = :id",
+                           merged)
+                changed += 1
+        return changed
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def sweeps(self) -> list[Sweep]:
+        return [Sweep(**dict(r)) for r in self._db.execute("SELECT * FROM sweeps ORDER BY id")]
+
+    def sweep(self, sweep_id: int) -> Sweep:
+        row = self._db.execute("SELECT * FROM sweeps WHERE id = ?", (sweep_id,)).fetchone()
+        if row is None:
+            known = [s.id for s in self.sweeps()][-10:]
+            raise RegistryError(f"no sweep {sweep_id} in {self.path} (latest: {known or 'none'}; "
+                                f"`switchyard status` lists them)")
+        return Sweep(**dict(row))
+
+    def jobs(self, sweep_id: int) -> list[Job]:
+        rows = self._db.execute("SELECT * FROM jobs WHERE sweep_id = ? ORDER BY num", (sweep_id,))
+        return [_job(r) for r in rows]
+
+    def job(self, sweep_id: int, num: int) -> Job:
+        row = self._db.execute("SELECT * FROM jobs WHERE sweep_id = ? AND num = ?",
+                               (sweep_id, num)).fetchone()
+        if row is None:
+            raise RegistryError(f"sweep {sweep_id} has no job {num} "
+                                f"(`switchyard status {sweep_id}` lists its jobs)")
+        return _job(row)
+
+    def attempts(self, sweep_id: int, num: int | None = None) -> list[Attempt]:
+        query, args = "SELECT * FROM attempts WHERE sweep_id = ?", [sweep_id]
+        if num is not None:
+            query, args = query + " AND num = ?", [*args, num]
+        return [Attempt(**dict(r)) for r in self._db.execute(query + " ORDER BY num, attempt", args)]
+
+    def latest_attempts(self, sweep_id: int) -> dict[int, Attempt]:
+        rows = self._db.execute(_LATEST_ATTEMPTS + " WHERE a.sweep_id = ?", (sweep_id,))
+        return {r["num"]: Attempt(**dict(r)) for r in rows}
+
+    def find_attempt(self, slurm_id: str) -> Attempt | None:
+        row = self._db.execute("SELECT * FROM attempts WHERE slurm_id = ? ORDER BY id DESC LIMIT 1",
+                               (slurm_id,)).fetchone()
+        return Attempt(**dict(row)) if row else None
+
+    def unsettled(self, sweep_ids: Sequence[int] | None = None) -> list[tuple[Attempt, Job, Sweep]]:
+        """Attempts whose state may still change, with their job and sweep."""
+        recheck_after = time.time() - RECHECK_REQUEUABLE_S
+        final = ",".join("?" * len(FINAL_STATES))
+        requeuable = ",".join("?" * len(REQUEUABLE_STATES))
+        query = (f"SELECT a.id AS attempt_id FROM attempts a WHERE a.state NOT IN ({final}) AND "
+                 f"(a.state NOT IN ({requeuable}) OR a.updated_at > ?)")
+        args: list[Any] = [*sorted(FINAL_STATES), *sorted(REQUEUABLE_STATES), recheck_after]
+        if sweep_ids is not None:
+            query += f" AND a.sweep_id IN ({','.join('?' * len(sweep_ids))})"
+            args += list(sweep_ids)
+        ids = [r["attempt_id"] for r in self._db.execute(query, args)]
+        return [self._attempt_with_job(i) for i in ids]
+
+    def _attempt_with_job(self, attempt_id: int) -> tuple[Attempt, Job, Sweep]:
+        row = self._db.execute("SELECT * FROM attempts WHERE id = ?", (attempt_id,)).fetchone()
+        attempt = Attempt(**dict(row))
+        return attempt, self.job(attempt.sweep_id, attempt.num), self.sweep(attempt.sweep_id)
+
+
+_LATEST_ATTEMPTS = ("SELECT a.* FROM attempts a JOIN (SELECT sweep_id, num, MAX(attempt) AS attempt "
+                    "FROM attempts GROUP BY sweep_id, num) last USING (sweep_id, num, attempt)")
+
+
+def _job(row: sqlite3.Row) -> Job:
+    return Job(sweep_id=row["sweep_id"], num=row["num"], overrides=json.loads(row["overrides"]),
+               run_dir=row["run_dir"], resources=json.loads(row["resources"]),
+               total_steps=row["total_steps"])
+
+
+def _merge(row: dict[str, Any], o: Observation) -> dict[str, Any]:
+    merged = dict(row, state=o.state, requeues=max(o.requeues, row["requeues"]))
+    for key in ("started_at", "ended_at", "exit_code", "node", "error"):
+        value = getattr(o, key)
+        if value is not None:
+            merged[key] = value
+    return merged
+
+
+# ------------------------------------------------------------------------------------------------
+# What tasks write instead of touching the database
+
+
+@dataclass(frozen=True)
+class TaskStatus:
+    """One attempt's own report, written by its rank 0 into RUN/.switchyard/attempts/JOBID.json.
+
+    Written when the task starts (again after each requeue) and when it ends; the file is replaced
+    atomically, so a reader sees the old report or the new one, never half of one.
+    """
+
+    job_id: str
+    started_at: float
+    restarts: int = 0  # SLURM_RESTART_COUNT: 0 on the first run
+    node: str | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None  # 0: the task function returned; 1: it raised; else sys.exit code
+    error: str | None = None  # the exception, one line
+
+    @staticmethod
+    def path(run_dir: str | Path, job_id: str) -> Path:
+        return Path(run_dir) / ".switchyard" / "attempts" / f"{job_id}.json"
+
+    def write(self, run_dir: str | Path) -> None:
+        target = self.path(run_dir, self.job_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.__dict__, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+
+    @classmethod
+    def read(cls, run_dir: str | Path, job_id: str) -> TaskStatus | None:
+        try:
+            return cls(**json.loads(cls.path(run_dir, job_id).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Reconciliation: one batched SLURM query + the tasks' status files -> one transaction
+
+STALE_CLAIM_S = 600.0  # a SUBMITTING claim this old: its submitter died before sbatch answered
+SILENT_AFTER_S = 300.0  # SLURM (sacct and squeue) silent about a job this old: it is long gone
+_ARRAY_TASK = re.compile(r"^(\d+)_(\d+)$")
+_ARRAY_RANGE = re.compile(r"^(\d+)_\[([\d,\-]+)(?:%\d+)?\]$")  # pending tasks, folded: 27_[2-5,7%2]
+
+
+def expand_array_states(states: dict[str, str]) -> dict[str, str]:
+    """``{"27_[2-3%1]": "PENDING", "27_0": "RUNNING"}`` -> one entry per task id.
+
+    sacct and squeue fold an array's not-yet-started tasks into one bracketed entry; a task
+    listed on its own line wins over the folded range.
+    """
+    out: dict[str, str] = {}
+    for key, state in states.items():
+        match = _ARRAY_RANGE.match(key)
+        if match is None:
+            continue
+        for part in match.group(2).split(","):
+            lo, _, hi = part.partition("-")
+            for index in range(int(lo), int(hi or lo) + 1):
+                out[f"{match.group(1)}_{index}"] = state
+    out.update({k: v for k, v in states.items() if _ARRAY_RANGE.match(k) is None})
+    return out
+
+
+def base_id(slurm_id: str) -> str:
+    """The id SLURM is asked about: the array's for an array task, else the job's own."""
+    return slurm_id.split("_", 1)[0]
+
+
+def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, settled: bool,
+          now: float) -> Observation | None:
+    """What an attempt's state is now, from what SLURM (or the local process table) reported,
+    what the task wrote, and whether its array has finished entirely; None when nothing is known.
+
+    SLURM's terminal states win (a rank other than 0 can fail the job); a task's own end report
+    comes next (sacct lags a few seconds behind the end); then SLURM's live states.
+    """
+    fields: dict[str, Any] = {}
+    if status is not None:
+        fields = {"requeues": status.restarts, "started_at": status.started_at, "node": status.node,
+                  "ended_at": status.ended_at, "exit_code": status.exit_code, "error": status.error}
+    ended = status is not None and status.ended_at is not None
+    if reported in TERMINAL_STATES:
+        state = str(reported)
+        if state == "COMPLETED" and fields.get("exit_code") is None:
+            fields["exit_code"] = 0
+    elif ended and status is not None:
+        state = "COMPLETED" if status.exit_code == 0 else "FAILED"
+    elif reported is not None:
+        state = reported
+    elif settled:
+        state = "FAILED" if status is not None else "CANCELLED"
+        fields["error"] = ("ended without a status report (killed, or its node failed)"
+                           if status is not None else "never started (cancelled while pending)")
+        fields["ended_at"] = fields.get("ended_at") or now
+    elif status is not None:
+        state = "RUNNING"
+    elif attempt.state == SUBMITTING and now - attempt.submitted_at > STALE_CLAIM_S:
+        return Observation(attempt.id, SUBMIT_FAILED, error="the submitting process stopped "
+                           "before sbatch answered")
+    else:
+        return None
+    return Observation(attempt.id, state, **{k: v for k, v in fields.items() if v is not None})
+
+
+def _slurm_reports(attempts: Sequence[Attempt], now: float) -> tuple[dict[str, str], set[str]]:
+    """One batched query for every array: (state per task id, ids whose array has settled)."""
+    from orchestrator import slurm_query  # subprocess only; imported late to keep `status` light
+
+    bases = sorted({base_id(a.slurm_id) for a in attempts if a.slurm_id})
+    if not bases:
+        return {}, set()
+    try:
+        reported = expand_array_states(slurm_query.job_states(bases))
+    except slurm_query.SlurmQueryError:
+        return {}, set()
+    settled = set()
+    for a in attempts:
+        if not a.slurm_id:
+            continue
+        base = base_id(a.slurm_id)
+        siblings = [s for k, s in reported.items() if base_id(k) == base]
+        if (siblings and all(s in TERMINAL_STATES for s in siblings)) or \
+                (not siblings and now - a.submitted_at > SILENT_AFTER_S):
+            settled.add(a.slurm_id)
+    return reported, settled
+
+
+def _local_reports(attempts: Sequence[Attempt]) -> tuple[dict[str, str], set[str]]:
+    """Local jobs have no queue: the submitit controller's pid is alive (running) or not."""
+    reported, settled = {}, set()
+    for a in attempts:
+        if not a.slurm_id:
+            continue
+        if _pid_alive(int(a.slurm_id)):
+            reported[a.slurm_id] = "RUNNING"
+        else:
+            settled.add(a.slurm_id)
+    return reported, settled
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (our own child that ended, not yet reaped) is not running.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def reconcile(registry: Registry, sweep_ids: Sequence[int] | None = None) -> int:
+    """Bring every unsettled attempt of these sweeps (all when None) up to date; returns changes."""
+    now = time.time()
+    unsettled = registry.unsettled(sweep_ids)
+    slurm = [a for a, _, sweep in unsettled if sweep.executor == "slurm"]
+    local = [a for a, _, sweep in unsettled if sweep.executor != "slurm"]
+    # Ask SLURM (or the process table) first, read the status files after: a task that ended in
+    # between then shows its end report, never "gone without one".
+    reported, settled = _slurm_reports(slurm, now)
+    local_reported, local_settled = _local_reports(local)
+    reported.update(local_reported)
+    settled |= local_settled
+    statuses = {a.id: TaskStatus.read(job.run_dir, a.slurm_id) if a.slurm_id else None
+                for a, job, _ in unsettled}
+    observations = []
+    for a, _, _ in unsettled:
+        seen = infer(a, reported.get(a.slurm_id or ""), statuses[a.id], (a.slurm_id or "") in settled,
+                     now)
+        if seen is not None:
+            observations.append(seen)
+    return registry.observe(observations) if observations else 0
