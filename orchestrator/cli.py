@@ -31,6 +31,53 @@ def _verify(args: argparse.Namespace) -> int:
     return run_verify_cli(args.path)
 
 
+def _sweeps(args: argparse.Namespace) -> int:
+    """status, logs, show, cancel, resubmit: each a thin call into orchestrator.status."""
+    from orchestrator import registry, status
+
+    with registry.Registry(args.registry) as reg:
+        if args.command == "status":
+            return status.cmd_status(reg, args.target, args.json)
+        if args.command == "logs":
+            return status.cmd_logs(reg, args.job, args.rank, args.follow, args.stream, args.attempt)
+        if args.command == "show":
+            return status.cmd_show(reg, args.job, args.json)
+        if args.command == "cancel":
+            return status.cmd_cancel(reg, args.target, args.json)
+        return status.cmd_resubmit(reg, args.target, args.failed, args.json)
+
+
+def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--registry", default=None,
+                        help="the sweep registry (default $SWITCHYARD_REGISTRY or "
+                             "~/.local/share/switchyard/registry.db)")
+    scripted = argparse.ArgumentParser(add_help=False)
+    scripted.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("status", parents=[common, scripted],
+                       help="sweeps; with SWEEP, each job's state, step, loss and runtime")
+    p.add_argument("target", nargs="?", metavar="SWEEP", help="a sweep id (or SWEEP/NUM for one job)")
+    p = sub.add_parser("logs", parents=[common], help="a job's log (one rank), optionally followed")
+    p.add_argument("job", metavar="JOB", help="SWEEP/NUM (e.g. 3/0) or a SLURM id (e.g. 4711_0)")
+    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--stream", choices=["both", "out", "err"], default="both",
+                   help="stdout, stderr or both (default)")
+    p.add_argument("--attempt", type=int, default=None, help="an earlier attempt (default: latest)")
+    p = sub.add_parser("show", parents=[common, scripted], help="a job's overrides, attempts and "
+                                                                "resolved config")
+    p.add_argument("job", metavar="JOB", help="SWEEP/NUM or a SLURM id")
+    p = sub.add_parser("cancel", parents=[common, scripted], help="cancel a sweep's jobs, or one job")
+    p.add_argument("target", metavar="SWEEP|JOB")
+    p = sub.add_parser("resubmit", parents=[common, scripted],
+                       help="submit a sweep's failed, timed-out and cancelled jobs again, as a new array")
+    p.add_argument("target", metavar="SWEEP")
+    p.add_argument("--failed", action="store_true", help="the jobs whose latest attempt did not complete")
+    for name in ("status", "logs", "show", "cancel", "resubmit"):
+        sub.choices[name].set_defaults(func=_sweeps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check a sharded dataset: structure and every file's checksum")
     p.add_argument("path", help="the dataset directory (the one holding manifest.json)")
     p.set_defaults(func=_verify)
+
+    _add_sweep_commands(sub)
     return parser
 
 
@@ -57,6 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except cluster.ClusterError as e:
+        print(f"switchyard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from orchestrator import status
+
+        if not isinstance(e, status.ERRORS):
+            raise
         print(f"switchyard {args.command}: error: {e}", file=sys.stderr)
         return 2
 

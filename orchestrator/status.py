@@ -1,0 +1,446 @@
+"""``switchyard status | logs | show | cancel | resubmit``: the sweep registry, reconciled, for people
+(a table; colours on a terminal, plain when piped) and for scripts (``--json``).
+
+Every command first reconciles what it is about with SLURM (one batched call) and the tasks'
+status files, so what it prints is current. Importing this module stays cheap: no Hydra, submitit
+or torch unless a command submits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from orchestrator.registry import (
+    RETRY_STATES,
+    TERMINAL_STATES,
+    Attempt,
+    Job,
+    Observation,
+    Registry,
+    RegistryError,
+    Sweep,
+    default_path,
+    reconcile,
+)
+
+STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
+                 "PENDING": "33", "SUBMITTED": "33", "SUBMITTING": "33", "REQUEUED": "33",
+                 "CANCELLED": "35"}  # everything else that ended badly: red (31)
+
+
+class CommandError(RuntimeError):
+    """A command cannot do what it was asked; the message says what to run instead."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Naming things: SWEEP, SWEEP/NUM, or a SLURM id
+
+
+@dataclass(frozen=True)
+class Ref:
+    sweep_id: int
+    num: int | None = None  # None: the whole sweep
+
+    def __str__(self) -> str:
+        return str(self.sweep_id) if self.num is None else f"{self.sweep_id}/{self.num}"
+
+
+def parse_ref(registry: Registry, text: str, want_job: bool = False) -> Ref:
+    """``12`` (a sweep), ``12/3`` (its job 3), or a SLURM id (``4711_3``, ``4711``, a local pid)."""
+    match = re.fullmatch(r"(\d+)(?:[/:](\d+))?", text.strip())
+    if match and match.group(2) is not None:
+        return Ref(int(match.group(1)), int(match.group(2)))
+    if match and not want_job and any(s.id == int(text) for s in registry.sweeps()):
+        return Ref(int(text))
+    attempt = registry.find_attempt(text.strip())
+    if attempt is not None:
+        return Ref(attempt.sweep_id, attempt.num)
+    what = "a job: SWEEP/NUM (e.g. 3/0) or its SLURM id" if want_job else \
+        "a sweep id, SWEEP/NUM, or a SLURM job id"
+    raise CommandError(f"{text!r} names nothing in {registry.path}: expected {what} "
+                       f"(`switchyard status` lists them)")
+
+
+def _job_ref(registry: Registry, text: str) -> Ref:
+    ref = parse_ref(registry, text, want_job=True)
+    if ref.num is None:
+        raise CommandError(f"{text!r} is a sweep; name one of its jobs, e.g. {text}/0")
+    registry.job(ref.sweep_id, ref.num)  # raises with the fix when it does not exist
+    return ref
+
+
+def command(registry: Registry, *args: object) -> str:
+    """The switchyard command line to run next, with --registry when it is not the default one."""
+    where = [] if registry.path == default_path() else ["--registry", str(registry.path)]
+    return " ".join(["switchyard", *map(str, args), *where])
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows: what status shows per job
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job: Job
+    attempt: Attempt | None
+    step: int | None
+    loss: float | None
+
+    def runtime_s(self, now: float) -> float | None:
+        a = self.attempt
+        if a is None or a.started_at is None:
+            return None
+        if a.ended_at is not None:
+            return max(a.ended_at - a.started_at, 0.0)
+        return None if a.state in TERMINAL_STATES else max(now - a.started_at, 0.0)
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        a = self.attempt
+        return {"job": self.job.ref, "num": self.job.num, "overrides": self.job.overrides,
+                "state": a.state if a else None, "attempt": a.attempt if a else 0,
+                "requeues": a.requeues if a else 0, "slurm_id": a.slurm_id if a else None,
+                "node": a.node if a else None, "exit_code": a.exit_code if a else None,
+                "error": a.error if a else None, "step": self.step, "total_steps": self.job.total_steps,
+                "loss": self.loss, "runtime_s": self.runtime_s(now),
+                "started_at": a.started_at if a else None, "ended_at": a.ended_at if a else None,
+                "run_dir": self.job.run_dir, "log_dir": a.log_dir if a else None}
+
+
+def last_metrics(run_dir: str) -> dict[str, Any] | None:
+    """The last complete line of RUN/metrics.jsonl (the trainer appends one per log step)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue  # a line being written right now
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def job_rows(registry: Registry, sweep_id: int) -> list[JobRow]:
+    latest = registry.latest_attempts(sweep_id)
+    rows = []
+    for job in registry.jobs(sweep_id):
+        metrics = last_metrics(job.run_dir) or {}
+        step, loss = metrics.get("step"), metrics.get("train_loss")
+        rows.append(JobRow(job, latest.get(job.num), step if isinstance(step, int) else None,
+                           float(loss) if isinstance(loss, int | float) else None))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables
+
+
+def colour_enabled(stream: IO[str]) -> bool:
+    """Colours on a terminal only; NO_COLOR (https://no-color.org) turns them off."""
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def paint(state: str, enabled: bool) -> Callable[[str], str]:
+    code = STATE_COLOURS.get(state, "31" if state in TERMINAL_STATES else "0")
+    return (lambda text: f"\033[{code}m{text}\033[0m") if enabled and code != "0" else (lambda t: t)
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
+                 painters: Sequence[dict[int, Callable[[str], str]]] | None = None) -> str:
+    """Left-aligned columns two spaces apart; painters colour cells after padding (ANSI codes
+    would otherwise count towards the width)."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for n, row in enumerate(rows):
+        paint_row = painters[n] if painters else {}
+        cells = [paint_row.get(i, lambda t: t)(cell.ljust(w))
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def format_time(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _progress(row: JobRow) -> str:
+    if row.step is None:
+        return "-"
+    return f"{row.step}/{row.job.total_steps}" if row.job.total_steps else str(row.step)
+
+
+def varying(jobs: Sequence[Job]) -> dict[int, list[str]]:
+    """Each job's overrides minus those every job of the sweep shares (the command line shows them)."""
+    shared = set.intersection(*(set(j.overrides) for j in jobs)) if len(jobs) > 1 else set()
+    return {j.num: [o for o in j.overrides if o not in shared] for j in jobs}
+
+
+def jobs_table(rows: Sequence[JobRow], colour: bool, now: float) -> str:
+    headers = ["JOB", "STATE", "TRY", "REQUEUES", "SLURM_ID", "NODE", "STEP", "LOSS", "RUNTIME",
+               "OVERRIDES"]
+    overrides = varying([r.job for r in rows])
+    cells, painters = [], []
+    for r in rows:
+        a = r.attempt
+        state = a.state if a else "-"
+        cells.append([r.job.ref, state, str(a.attempt) if a else "0", str(a.requeues) if a else "0",
+                      (a.slurm_id or "-") if a else "-", (a.node or "-") if a else "-", _progress(r),
+                      f"{r.loss:.4f}" if r.loss is not None else "-", format_duration(r.runtime_s(now)),
+                      " ".join(overrides[r.job.num]) or "-"])
+        painters.append({1: paint(state, colour)})
+    return render_table(headers, cells, painters)
+
+
+def sweep_summary(registry: Registry, sweep: Sweep) -> dict[str, Any]:
+    states = Counter(a.state for a in registry.latest_attempts(sweep.id).values())
+    return {"id": sweep.id, "created_at": sweep.created_at, "app": sweep.app, "command": sweep.command,
+            "sweep_dir": sweep.sweep_dir, "executor": sweep.executor,
+            "jobs": len(registry.jobs(sweep.id)), "states": dict(sorted(states.items()))}
+
+
+def sweeps_table(summaries: Sequence[dict[str, Any]], colour: bool) -> str:
+    headers = ["SWEEP", "CREATED", "APP", "EXECUTOR", "JOBS", "DONE", "ACTIVE", "FAILED", "COMMAND"]
+    cells, painters = [], []
+    for s in summaries:
+        states: dict[str, int] = s["states"]
+        done = states.get("COMPLETED", 0)
+        failed = sum(n for k, n in states.items() if k in RETRY_STATES)
+        active = sum(states.values()) - done - failed
+        cells.append([str(s["id"]), format_time(s["created_at"]), s["app"], s["executor"],
+                      str(s["jobs"]), str(done), str(active), str(failed), s["command"] or "-"])
+        state = "FAILED" if failed else "RUNNING" if active else "COMPLETED"
+        painters.append({0: paint(state, colour)})
+    return render_table(headers, cells, painters)
+
+
+# ------------------------------------------------------------------------------------------------
+# Commands (each returns the process exit status)
+
+
+def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[str] = sys.stdout) -> int:
+    if target is None:
+        reconcile(registry)
+        summaries = [sweep_summary(registry, s) for s in registry.sweeps()]
+        if as_json:
+            print(json.dumps({"registry": str(registry.path), "sweeps": summaries}, indent=1), file=out)
+        elif not summaries:
+            print(f"no sweeps recorded in {registry.path} yet", file=out)
+        else:
+            print(sweeps_table(summaries, colour_enabled(out)), file=out)
+        return 0
+    ref = parse_ref(registry, target)
+    reconcile(registry, [ref.sweep_id])
+    sweep, now = registry.sweep(ref.sweep_id), time.time()
+    rows = [r for r in job_rows(registry, ref.sweep_id) if ref.num is None or r.job.num == ref.num]
+    if as_json:
+        print(json.dumps({"sweep": sweep_summary(registry, sweep),
+                          "jobs": [r.as_json(now) for r in rows]}, indent=1), file=out)
+        return 0
+    summary = sweep_summary(registry, sweep)
+    counts = ", ".join(f"{n} {state.lower()}" for state, n in summary["states"].items())
+    print(f"sweep {sweep.id}  {sweep.app}  {format_time(sweep.created_at)}  {sweep.executor}  "
+          f"{summary['jobs']} jobs: {counts or 'none submitted'}\n"
+          f"dir: {sweep.sweep_dir}\ncommand: {sweep.command or '-'}\n", file=out)
+    print(jobs_table(rows, colour_enabled(out), now), file=out)
+    return 0
+
+
+def log_paths(attempt: Attempt, rank: int) -> tuple[Path, Path]:
+    """submitit's per-rank logs: LOGDIR/JOBID_RANK_log.out and .err."""
+    if not attempt.log_dir or not attempt.slurm_id:
+        raise CommandError(f"attempt {attempt.attempt} of job {attempt.sweep_id}/{attempt.num} has no "
+                           f"logs: it was never submitted ({attempt.state})")
+    base = Path(attempt.log_dir) / f"{attempt.slurm_id}_{rank}_log"
+    return base.with_suffix(".out"), base.with_suffix(".err")
+
+
+def _attempt(registry: Registry, ref: Ref, number: int | None) -> Attempt:
+    attempts = registry.attempts(ref.sweep_id, ref.num)
+    if not attempts:
+        raise CommandError(f"job {ref} was never submitted")
+    if number is None:
+        return attempts[-1]
+    for a in attempts:
+        if a.attempt == number:
+            return a
+    raise CommandError(f"job {ref} has attempts {[a.attempt for a in attempts]}, not {number}")
+
+
+def cmd_logs(registry: Registry, target: str, rank: int, follow: bool, stream: str,
+             attempt_number: int | None = None, out: IO[str] = sys.stdout) -> int:
+    ref = _job_ref(registry, target)
+    reconcile(registry, [ref.sweep_id])
+    attempt = _attempt(registry, ref, attempt_number)
+    stdout_path, stderr_path = log_paths(attempt, rank)
+    paths = {"out": [stdout_path], "err": [stderr_path], "both": [stdout_path, stderr_path]}[stream]
+    if not follow:
+        for path in paths:
+            if len(paths) > 1:
+                print(f"==> {path} <==", file=out)
+            print(_read(path) or f"(empty: {'not written yet' if not path.exists() else 'no output'})",
+                  file=out)
+        return 0
+    return _follow(registry, ref, attempt, paths, out)
+
+
+def _read(path: Path, offset: int = 0) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _follow(registry: Registry, ref: Ref, attempt: Attempt, paths: list[Path], out: IO[str],
+            poll_s: float = 0.5) -> int:
+    """Print what is appended to the logs until the attempt has ended (Ctrl-C stops it sooner)."""
+    offsets = dict.fromkeys(paths, 0)
+    current: Path | None = None
+    last_check, ended = 0.0, False
+    try:
+        while True:
+            for path in paths:
+                text = _read(path, offsets[path])
+                if text:
+                    if len(paths) > 1 and path != current:
+                        print(f"==> {path} <==", file=out)
+                        current = path
+                    out.write(text)
+                    out.flush()
+                    offsets[path] += len(text.encode(errors="replace"))
+            if ended:
+                return 0
+            if time.monotonic() - last_check > 2:
+                reconcile(registry, [ref.sweep_id])
+                state = _attempt(registry, ref, attempt.attempt).state
+                ended, last_check = state in TERMINAL_STATES, time.monotonic()
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout) -> int:
+    ref = _job_ref(registry, target)
+    assert ref.num is not None  # _job_ref guarantees it; narrows the type
+    reconcile(registry, [ref.sweep_id])
+    job, sweep = registry.job(ref.sweep_id, ref.num), registry.sweep(ref.sweep_id)
+    attempts = registry.attempts(ref.sweep_id, ref.num)
+    config_path = Path(job.run_dir) / ".switchyard" / "config.yaml"
+    config_text = _read(config_path) or f"(missing: {config_path})\n"
+    if as_json:
+        print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
+                          "run_dir": job.run_dir, "resources": job.resources,
+                          "config_path": str(config_path), "config": config_text,
+                          "attempts": [a.__dict__ for a in attempts]}, indent=1), file=out)
+        return 0
+    colour = colour_enabled(out)
+    print(f"job {job.ref}  sweep {sweep.id} ({sweep.app})\noverrides: {' '.join(job.overrides) or '-'}\n"
+          f"run dir: {job.run_dir}", file=out)
+    cells = [[str(a.attempt), a.slurm_id or "-", a.state, str(a.requeues),
+              "-" if a.exit_code is None else str(a.exit_code), a.node or "-", format_time(a.started_at),
+              format_duration(a.ended_at - a.started_at if a.ended_at and a.started_at else None),
+              a.error or ""] for a in attempts]
+    print(render_table(["TRY", "SLURM_ID", "STATE", "REQUEUES", "EXIT", "NODE", "STARTED", "RUNTIME",
+                        "ERROR"], cells, [{2: paint(a.state, colour)} for a in attempts]), file=out)
+    print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
+    return 0
+
+
+def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout) -> int:
+    ref = parse_ref(registry, target)
+    reconcile(registry, [ref.sweep_id])
+    executor = registry.sweep(ref.sweep_id).executor
+    live = [a for a in registry.latest_attempts(ref.sweep_id).values()
+            if (ref.num is None or a.num == ref.num) and a.slurm_id and a.state not in TERMINAL_STATES]
+    cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live)
+    now = time.time()
+    registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
+                                 error="cancelled with switchyard cancel") for a in cancelled)
+    ids = [a.slurm_id for a in cancelled]
+    if as_json:
+        print(json.dumps({"target": str(ref), "cancelled": [f"{a.sweep_id}/{a.num}" for a in cancelled],
+                          "slurm_ids": ids}), file=out)
+    else:
+        print(f"cancelled {len(cancelled)} job(s) of {ref}: {', '.join(map(str, ids))}" if cancelled
+              else f"nothing to cancel in {ref}: every job has already ended", file=out)
+    return 0
+
+
+def _cancel_slurm(attempts: list[Attempt]) -> list[Attempt]:
+    if not attempts:
+        return []
+    proc = subprocess.run(["scancel", *[str(a.slurm_id) for a in attempts]], capture_output=True,
+                          text=True, timeout=60, check=False)
+    if proc.returncode != 0:
+        raise CommandError(f"scancel failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return attempts
+
+
+def _cancel_local(attempts: list[Attempt]) -> list[Attempt]:
+    done = []
+    for a in attempts:
+        try:
+            os.kill(int(str(a.slurm_id)), signal.SIGTERM)  # submitit's controller stops its tasks
+        except ProcessLookupError:
+            continue
+        done.append(a)
+    return done
+
+
+def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
+                 out: IO[str] = sys.stdout) -> int:
+    from orchestrator import sweep as sweeps  # submitit: only when submitting
+
+    if not failed:
+        raise CommandError("say which jobs to resubmit: --failed (failed, timed-out or cancelled)")
+    ref = parse_ref(registry, target)
+    if ref.num is not None:
+        raise CommandError(f"resubmit takes a sweep: switchyard resubmit {ref.sweep_id} --failed")
+    reconcile(registry, [ref.sweep_id])
+    try:
+        resubmitted = sweeps.resubmit_failed(registry, ref.sweep_id)
+    except sweeps.SweepError as e:
+        raise CommandError(str(e)) from e
+    if as_json:
+        print(json.dumps({"sweep": ref.sweep_id, "resubmitted": [
+            {"job": job.ref, "slurm_id": slurm_id, "overrides": job.overrides}
+            for job, slurm_id in resubmitted]}), file=out)
+        return 0
+    if not resubmitted:
+        print(f"nothing to resubmit in sweep {ref.sweep_id}: no job failed, timed out or was cancelled",
+              file=out)
+        return 0
+    print(f"resubmitted {len(resubmitted)} job(s) of sweep {ref.sweep_id} from their saved configs:",
+          file=out)
+    print(render_table(["JOB", "SLURM_ID", "OVERRIDES"],
+                       [[job.ref, slurm_id, " ".join(job.overrides)] for job, slurm_id in resubmitted]),
+          file=out)
+    print(f"follow it with: {command(registry, 'status', ref.sweep_id)}", file=out)
+    return 0
+
+
+ERRORS = (CommandError, RegistryError)

@@ -1,0 +1,141 @@
+"""The launcher end to end on this machine (hydra/launcher=switchyard_local), no SLURM needed:
+a real Hydra app in a subprocess, the registry, and the `switchyard` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
+APP = """
+import os
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
+def main(cfg: DictConfig) -> int:
+    Path(cfg.out_dir, f"ran-{cfg.x}-{os.getpid()}").write_text(str(cfg.label))
+    if Path(cfg.out_dir, f"fail-{cfg.x}").exists():
+        raise ValueError(f"x={cfg.x} was told to fail")
+    time.sleep(cfg.sleep_s)
+    return int(cfg.x) * 10
+
+
+if __name__ == "__main__":
+    main()
+"""
+CONFIG = """
+defaults:
+  - _self_
+  - override hydra/launcher: {launcher}
+x: 0
+sleep_s: 0
+label: ${{x}}-from-yaml
+out_dir: {out_dir}
+hydra:
+  sweep:
+    dir: {sweep_dir}
+"""
+
+
+def write_app(tmp_path: Path, launcher: str = "switchyard_local") -> Path:
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "app.py").write_text(APP)
+    (tmp_path / "config.yaml").write_text(CONFIG.format(launcher=launcher, out_dir=tmp_path / "out",
+                                                        sweep_dir=tmp_path / "multirun"))
+    return tmp_path / "app.py"
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+
+
+def run_app(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(tmp_path / "app.py"), "-m", *overrides], cwd=tmp_path,
+                          env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+
+
+def switchyard(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SWITCHYARD, *args], env=env_for(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+
+
+def status_json(tmp_path: Path, sweep: str) -> dict[str, Any]:
+    proc = switchyard(tmp_path, "status", sweep, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout))
+
+
+def wait_until_ended(tmp_path: Path, sweep: str, timeout_s: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = status_json(tmp_path, sweep)
+        if all(j["state"] in ("COMPLETED", "FAILED", "CANCELLED") for j in status["jobs"]):
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+
+
+def runs(tmp_path: Path, x: int) -> int:
+    return len(list((tmp_path / "out").glob(f"ran-{x}-*")))
+
+
+def test_blocking_local_sweep_runs_every_point_and_records_it(tmp_path: Path) -> None:
+    write_app(tmp_path)
+    proc = run_app(tmp_path, "x=1,2,3", "hydra.launcher.array_parallelism=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [runs(tmp_path, x) for x in (1, 2, 3)] == [1, 1, 1]
+    status = status_json(tmp_path, "1")
+    assert [(j["job"], j["state"], j["exit_code"]) for j in status["jobs"]] == [
+        ("1/0", "COMPLETED", 0), ("1/1", "COMPLETED", 0), ("1/2", "COMPLETED", 0)]
+    run_dir = tmp_path / "multirun" / "1"
+    assert (run_dir / ".switchyard" / "config.yaml").read_text().startswith("x: 2\n")
+    assert (run_dir / ".hydra" / "overrides.yaml").exists()  # Hydra's own outputs, as usual
+
+
+def test_a_failing_point_fails_the_blocking_sweep_with_its_own_error(tmp_path: Path) -> None:
+    write_app(tmp_path)
+    (tmp_path / "out" / "fail-2").touch()
+    proc = run_app(tmp_path, "x=1,2")
+    assert proc.returncode != 0
+    assert "ValueError: x=2 was told to fail" in proc.stderr
+    jobs = status_json(tmp_path, "1")["jobs"]
+    assert [j["state"] for j in jobs] == ["COMPLETED", "FAILED"]
+    assert jobs[1]["error"] == "ValueError: x=2 was told to fail"
+
+
+def test_non_blocking_local_sweep_then_resubmit_only_the_failed_point(tmp_path: Path) -> None:
+    write_app(tmp_path)
+    (tmp_path / "out" / "fail-2").touch()
+    proc = run_app(tmp_path, "x=1,2,3", "hydra.launcher.wait=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sweep_id: 1" in proc.stdout and "switchyard status 1" in proc.stdout
+    status = wait_until_ended(tmp_path, "1")
+    assert [j["state"] for j in status["jobs"]] == ["COMPLETED", "FAILED", "COMPLETED"]
+
+    (tmp_path / "out" / "fail-2").unlink()
+    resubmit = switchyard(tmp_path, "resubmit", "1", "--failed")
+    assert resubmit.returncode == 0, resubmit.stderr
+    assert "1/1" in resubmit.stdout and "1/0" not in resubmit.stdout
+    status = wait_until_ended(tmp_path, "1")
+    assert [(j["state"], j["attempt"]) for j in status["jobs"]] == [
+        ("COMPLETED", 1), ("COMPLETED", 2), ("COMPLETED", 1)]
+    assert [runs(tmp_path, x) for x in (1, 2, 3)] == [1, 2, 1]
+
+
+def test_commands_explain_a_name_that_matches_nothing(tmp_path: Path) -> None:
+    proc = switchyard(tmp_path, "logs", "7/0")
+    assert proc.returncode == 2
+    assert "no job 0" in proc.stderr or "no sweep 7" in proc.stderr
+    proc = switchyard(tmp_path, "resubmit", "7")
+    assert proc.returncode == 2 and "--failed" in proc.stderr
