@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from orchestrator.localcluster import cluster
 
@@ -29,6 +30,18 @@ def _verify(args: argparse.Namespace) -> int:
     from sharding.verify import run_verify_cli
 
     return run_verify_cli(args.path)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from orchestrator import telemetry
+
+    try:
+        out = telemetry.plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    except telemetry.TelemetryError as e:
+        print(f"switchyard plot: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def _sweeps(args: argparse.Namespace) -> int:
@@ -96,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check a sharded dataset: structure and every file's checksum")
     p.add_argument("path", help="the dataset directory (the one holding manifest.json)")
     p.set_defaults(func=_verify)
+
+    p = sub.add_parser("plot", help="memory over time per GPU (or per rank on CPU) as a PNG")
+    p.add_argument("run_dir", help="the run directory (printed as run_dir: at start)")
+    p.add_argument("--out", default=None, help="PNG path (default RUN/telemetry/memory.png)")
+    p.set_defaults(func=_plot)
 
     _add_sweep_commands(sub)
     return parser

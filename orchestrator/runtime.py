@@ -42,8 +42,10 @@ class Runtime:
 
 
 def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
-          rdzv_dir: Path) -> Runtime:
-    device = _select_device(env, parallelism)
+          rdzv_dir: Path, device_index: int | None = None) -> Runtime:
+    """``device_index``: the CUDA ordinal preflight chose (``cuda:0`` when SLURM binds one GPU per
+    task), else the local rank."""
+    device = _select_device(env, parallelism, device_index)
     # Ranks sharing a node share its cores: without a budget each would start one thread per core.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
     backend = rendezvous.init_process_group(
@@ -53,19 +55,21 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
     return Runtime(env=env, device=device, backend=backend)
 
 
-def _select_device(env: DistEnv, parallelism: ParallelismConfig) -> torch.device:
+def _select_device(env: DistEnv, parallelism: ParallelismConfig, device_index: int | None
+                   ) -> torch.device:
     if parallelism.gpus_per_node == 0:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError(f"parallelism.gpus_per_node={parallelism.gpus_per_node} but rank "
                            f"{env.rank} on {env.hostname} sees no CUDA device (try "
                            f"parallelism.gpus_per_node=0 for CPU training)")
-    if env.local_rank >= torch.cuda.device_count():
+    index = env.local_rank if device_index is None else device_index
+    if index >= torch.cuda.device_count():
         raise RuntimeError(f"local rank {env.local_rank} on {env.hostname} has no GPU of its own: "
                            f"{torch.cuda.device_count()} visible, parallelism.gpus_per_node="
                            f"{parallelism.gpus_per_node}")
-    torch.cuda.set_device(env.local_rank)
-    return torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def stop() -> None:
@@ -89,6 +93,24 @@ def wrap(model: nn.Module, rt: Runtime) -> DistributedDataParallel:
     model = model.to(rt.device)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def settle_buckets(model: DistributedDataParallel, *example: torch.Tensor) -> None:
+    """One zero-gradient forward/backward so DDP rebuilds its gradient buckets now.
+
+    DDP reorders its buckets after a process's first backward. With more than two ranks, gloo's
+    ring all-reduce sums each element in an order that depends on its position in the bucket, so a
+    resumed process (first step on the initial layout) would drift from an uninterrupted one (step
+    N on the rebuilt layout) by rounding. Settling before the first real step, in every run, gives
+    every real step the same layout: resumed runs stay bit-identical. Eval mode leaves BatchNorm
+    statistics alone; the zero loss leaves gradients at zero.
+    """
+    was_training = model.training
+    model.eval()
+    out = model(*example)
+    (out.sum() * 0.0).backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -171,39 +171,64 @@ def results(job: submitit.Job[R]) -> list[R]:
     raise failure(job, outcomes)
 
 
-def failure(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobFailedError:
+# Errors a rank raises because *another* rank went away: consequences, not causes.
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator)|"
+                        r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout|DistNetworkError")
+
+
+def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]]) -> list[RankOutcome]:
+    """Which ranks caused the failure, strongest evidence first.
+
+    1. a rank killed by a signal (SIGKILL, the OOM killer, a segfault): srun reports it, and the
+       ranks that then lose their connection to it raise errors that only describe the loss;
+    2. a rank that raised an error of its own (not a lost peer);
+    3. the first rank srun saw exit with an error;
+    4. ranks that left no result at all.
+    """
+    by_rank = {o.rank: o for o in outcomes}
+    signalled = [by_rank[r] for r, why in died if not why.startswith("exited") and r in by_rank]
+    own_errors = [o for o in outcomes if o.error is not None and not _PEER_LOST.search(o.error)]
+    first_exit = [by_rank[r] for r, _ in died[:1] if r in by_rank]
     raised = [o for o in outcomes if o.error is not None]
-    # A rank that raised is the cause; otherwise srun says which task died first (e.g. SIGKILL,
-    # the OOM killer); ranks with no output were usually killed because of it.
-    died = {rank: reason for rank, reason in srun_task_failures(job) if rank < len(outcomes)}
-    culprits = raised or [o for o in outcomes if o.rank in died] or \
-        [o for o in outcomes if o.no_output is not None]
+    for candidates in (signalled, own_errors, first_exit, raised):
+        if candidates:
+            return list(dict.fromkeys(candidates))  # unique, order kept
+    return [o for o in outcomes if o.no_output is not None]
+
+
+def failure(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobFailedError:
+    died = srun_task_failures(job)
+    reasons = dict(died)
+    culprits = culprits_of(outcomes, died)
     lines = [f"job {job.job_id} failed ({job.state}):"]
     for o in culprits[:4]:
         node = node_of(job, o.rank)
-        cause = f"srun reports the task {died[o.rank]}; " if o.rank in died and o.error is None else ""
+        cause = f"srun reports the task {reasons[o.rank]}; " if o.rank in reasons and o.error is None else ""
         lines.append(f"rank {o.rank}{f' on node {node}' if node else ''}: "
                      f"{cause}{_tail(o.error or o.no_output or '', 25)}")
     others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})
-    if culprits and others and (raised or died):
+    if culprits and others:
         lines.append(f"ranks {others} were stopped after rank {culprits[0].rank} failed.")
     lines.append(f"logs: {job.paths.folder}")
     return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
 
 
-_SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$", re.MULTILINE)
+# Not anchored at a line start: a progress bar's last "\r" frame has no newline after it.
+_SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): ([^\r\n]+)")
 
 
 def srun_task_failures(job: submitit.Job[Any]) -> list[tuple[int, str]]:
     """(rank, reason) for tasks srun saw die on their own, in the order srun reported them.
 
-    After --kill-on-bad-exit fires, srun reports the ranks *it* stopped as "Terminated"; those are
-    consequences, not causes, and are left out.
+    Once a task fails, srun (--kill-on-bad-exit) logs "Terminating StepId=..." and stops the rest:
+    whatever it reports after that line ("Terminated", or "Killed" for a rank that outlived
+    KillWait) is a consequence, not a cause, and is left out.
     """
     try:
         text = _tasks(job)[0].paths.stderr.read_text(errors="replace")  # the batch script's stderr
     except OSError:
         return []
+    text = text.split("_step_signal: Terminating", 1)[0]
     found = []
     for _node, tasks, reason in _SRUN_ERROR.findall(text):
         if reason.strip() == "Terminated":

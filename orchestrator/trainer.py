@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from orchestrator import checkpoint, dist_env, preemption, runtime
+from orchestrator import checkpoint, dist_env, preemption, runtime, telemetry
 from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.runtime import Runtime
 from sharding import ShardedDataset, open_dataset
@@ -223,6 +223,9 @@ class Trainer:
         model = build_model(cfg.model, feature_count(self.train_ds, cfg.data.input_field), num_classes,
                             cfg.memory)
         self.model: DistributedDataParallel = runtime.wrap(model, rt)
+        features = feature_count(self.train_ds, cfg.data.input_field)
+        runtime.settle_buckets(self.model, torch.zeros(1, 1, features, device=rt.device),
+                               torch.ones(1, 1, dtype=torch.bool, device=rt.device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.memory.amp == "fp16")
@@ -407,20 +410,40 @@ class Trainer:
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
         }
-        if self.rt.is_main:
-            tmp = self.run_dir / ".summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2) + "\n")
-            tmp.replace(self.run_dir / "summary.json")
         return summary
 
 
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    tmp = run_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(run_dir / "summary.json")
+
+
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:
-    """The function each rank runs (submitted through submitit in every mode)."""
-    env = dist_env.detect()
-    rt = runtime.start(env, cfg.parallelism, cfg.cluster, Path(run_dir) / "rendezvous")
+    """The function each rank runs (submitted through submitit in every mode).
+
+    Preflight runs before the process group, so a GPU-count mismatch fails in seconds instead of
+    after the rendezvous; one memory sampler per node (local rank 0) runs for the whole job.
+    """
+    env, run = dist_env.detect(), Path(run_dir)
+    report = telemetry.preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size)
+    print(report.describe(), flush=True)
+    telemetry.register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)
+    sampler = telemetry.MemorySampler(run, env.hostname, cfg.telemetry.interval_s) \
+        if cfg.telemetry.enabled and env.is_local_main else None
+    rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
     try:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        return Trainer(cfg, paths, Path(run_dir), rt).run()
+        with sampler or contextlib.nullcontext():
+            summary = Trainer(cfg, paths, run, rt).run()
+        telemetry.record_rank_peak(run, env.rank, report.device_index)
+        torch.distributed.barrier()  # every node's sampler has stopped and every peak is written
+        if rt.is_main:
+            summary["memory"] = telemetry.summarize(run)
+            write_summary(run, summary)
+            for flag in summary["memory"]["flags"]:
+                print(f"memory warning: {flag}", flush=True)
+        return summary
     finally:
         runtime.stop()

@@ -103,3 +103,21 @@ def test_ranks_that_disagree_all_stop_with_one_clear_error(tmp_path: Path) -> No
         assert "ranks disagree before the first step" in results[rank]
         assert "rank 0: batches_per_epoch=10" in results[rank]
         assert "rank 1: batches_per_epoch=11" in results[rank]
+
+
+def test_a_stopped_run_continued_in_place_ends_bit_identical(tmp_path: Path) -> None:
+    """Three ranks: the smallest world where gloo's summation order can change a result, so this
+    fails if a resumed process's first step used a different DDP bucket layout than the original."""
+    same = ["model=transformer", "parallelism.procs_per_node=3", "deterministic=true", "log_every_steps=1",
+            "telemetry.enabled=false"]
+    straight = train(tmp_path / "a", *same, "optim.max_steps=24")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first_half = train(tmp_path / "b", *same, "optim.max_steps=9")
+    assert first_half.returncode == 0, first_half.stderr[-3000:]
+    rest = train(tmp_path / "b", *same, "optim.max_steps=24")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from" in rest.stdout + "".join(
+        p.read_text() for p in (tmp_path / "b" / "run" / "submitit").glob("*_0_log.out"))
+    a, b = read_summary(tmp_path / "a" / "run"), read_summary(tmp_path / "b" / "run")
+    assert b["steps"] == a["steps"] == 24
+    assert b["param_checksum_per_rank"] == a["param_checksum_per_rank"]
