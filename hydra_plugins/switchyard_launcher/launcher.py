@@ -24,6 +24,7 @@ class SwitchyardLauncher(Launcher):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
+        sweep.install_composition_cache(hydra_context)  # the sweeper validates through it next
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         if self.hydra_context is None or self.task_function is None or self.config is None:
