@@ -149,12 +149,6 @@ def gather(rt: Runtime, value: Any) -> list[Any]:
     return out
 
 
-def reduce_max(rt: Runtime, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def broadcast(rt: Runtime, value: Any) -> Any:
     """Rank 0's value, on every rank."""
     box = [value if rt.is_main else None]

@@ -211,6 +211,65 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
 # The rank's job
 
 
+class MetricsWindow:
+    """Training loss over the last ``log_every_steps`` steps, reduced over all ranks.
+
+    Each rank adds its own loss sum and real-sample count; ``close`` all-reduces both (global sum /
+    global count, never one rank's view), and rank 0 writes a line to ``metrics.jsonl``.
+    """
+
+    def __init__(self, rt: Runtime, path: Path) -> None:
+        self.rt, self.path = rt, path
+        self.total, self.count, self.start = 0.0, 0.0, time.perf_counter()
+        self.last_loss = float("nan")
+
+    def add(self, total: float, count: float) -> None:
+        self.total += total
+        self.count += count
+
+    def close(self, step: int) -> tuple[float, float]:
+        """(global mean loss, global samples/s) of the window; starts the next one."""
+        loss, global_count = runtime.global_mean(self.rt, self.total, self.count)
+        rate = global_count / max(time.perf_counter() - self.start, 1e-9)
+        if self.rt.is_main:
+            with open(self.path, "a") as log:
+                log.write(json.dumps({"step": step, "train_loss": loss, "samples_per_s": rate,
+                                      "t": time.time()}) + "\n")
+        self.total, self.count, self.start = 0.0, 0.0, time.perf_counter()
+        self.last_loss = loss
+        return loss, rate
+
+
+class StopPoll:
+    """The preemption flag, OR-ed over ranks without a synchronous round trip per step.
+
+    Each step starts an asynchronous all-reduce of this rank's flag and reads the previous step's
+    result: every rank reads the same reduced value at the same step, so they all stop together,
+    one step after the signal, and the latency hides behind the step's compute.
+    """
+
+    def __init__(self, flag: preemption.StopFlag) -> None:
+        self.flag = flag
+        self.pending: tuple[torch.Tensor, Any] | None = None
+
+    def poll(self) -> preemption.StopReason:
+        decided = preemption.StopReason.NONE
+        if self.pending is not None:
+            buffer, work = self.pending
+            work.wait()
+            decided = preemption.StopReason(int(buffer.item()))
+        buffer = torch.tensor([int(self.flag.reason)], dtype=torch.int64)
+        self.pending = (buffer, torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX,
+                                                             async_op=True))
+        return decided
+
+    def drain(self) -> None:
+        """Wait for the last reduction (every rank started it; none may leave it unfinished)."""
+        if self.pending is not None:
+            self.pending[1].wait()
+            self.pending = None
+
+
 class Trainer:
     """State of one rank's run; ``run()`` is the loop, the rest are its named steps."""
 
@@ -321,10 +380,6 @@ class Trainer:
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)
 
-    def stop_requested(self) -> preemption.StopReason:
-        """The most severe stop any rank was asked for (one all-reduce of one integer)."""
-        return preemption.StopReason(runtime.reduce_max(self.rt, int(self.stop.reason)))
-
     def stop_for(self, reason: preemption.StopReason) -> None:
         """Checkpoint, then requeue (time limit) or leave it to SLURM (preemption), then exit."""
         self.save_checkpoint()
@@ -358,40 +413,31 @@ class Trainer:
         self.agree_before_first_step()
         self.restore()
         cfg, rt = self.cfg, self.rt
-        stream = self.batches()
-        window_total, window_count, train_loss = 0.0, 0.0, float("nan")
-        bar = tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
-                   disable=not rt.is_main, dynamic_ncols=True)
-        window_start = time.perf_counter()
+        stream, stops = self.batches(), StopPoll(self.stop)
+        window = MetricsWindow(rt, self.run_dir / "metrics.jsonl")
         eval_loss, eval_counted = float("nan"), 0
-        metrics_log = open(self.run_dir / "metrics.jsonl", "a") if rt.is_main else None  # noqa: SIM115
-        with bar, metrics_log or contextlib.nullcontext() as log:
+        with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
+                  disable=not rt.is_main, dynamic_ncols=True) as bar:
             while self.step < cfg.optim.max_steps:
-                total, count = self.optimizer_step(stream)
-                window_total += total
-                window_count += count
+                window.add(*self.optimizer_step(stream))
                 last = self.step == cfg.optim.max_steps
                 if self.step % cfg.log_every_steps == 0 or last:
-                    train_loss, global_count = runtime.global_mean(rt, window_total, window_count)
-                    rate = global_count / max(time.perf_counter() - window_start, 1e-9)
-                    bar.set_postfix(loss=f"{train_loss:.4f}", samples_s=f"{rate:,.0f}")
-                    if log is not None:
-                        log.write(json.dumps({"step": self.step, "train_loss": train_loss,
-                                              "samples_per_s": rate, "t": time.time()}) + "\n")
-                        log.flush()
-                    window_total, window_count, window_start = 0.0, 0.0, time.perf_counter()
+                    loss, rate = window.close(self.step)
+                    bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
                 bar.update(1)
                 if self.eval_ds is not None and self.due(cfg.eval_every_steps):
                     eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
                 if self.due(cfg.checkpoint.every_steps):
                     self.save_checkpoint()
-                reason = self.stop_requested()
+                reason = stops.poll()
                 if reason != preemption.StopReason.NONE and not last:
+                    stops.drain()
                     self.stop_for(reason)
+        stops.drain()
         if self.eval_ds is not None and not self.due(cfg.eval_every_steps):
             eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
         self.save_checkpoint()
-        return self.summarise(train_loss, eval_loss, eval_counted, time.perf_counter() - start)
+        return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
 
     def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float
                   ) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def check_ddp_summary(summary: dict, world: int) -> None:  # type: ignore[type-a
 
 
 def test_local_two_ranks_train_and_agree(tmp_path: Path) -> None:
-    proc = train(tmp_path)
+    proc = train(tmp_path, "telemetry.interval_s=0.2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
     assert f"run_dir: {run_dir}" in proc.stdout
@@ -51,6 +51,15 @@ def test_local_two_ranks_train_and_agree(tmp_path: Path) -> None:
     check_ddp_summary(summary, 2)
     assert summary["final_train_loss"] < 0.7 * first_logged_loss(run_dir)
     assert list((run_dir / "checkpoints").glob("step-*.pt"))
+    # No NVIDIA driver here: the same telemetry files, with each rank's CPU memory instead.
+    memory = summary["memory"]
+    assert memory["mode"] == "cpu" and memory["num_samples"] >= 2 and memory["flags"] == []
+    assert sorted(r["rank"] for r in memory["ranks"]) == [0, 1]
+    assert all(r["peak_rss_bytes"] > 0 for r in memory["ranks"])
+    plot = subprocess.run([str(Path(sys.executable).parent / "switchyard"), "plot", str(run_dir)],
+                          capture_output=True, text=True)
+    assert plot.returncode == 0, plot.stderr
+    assert Path(plot.stdout.strip()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_same_config_in_debug_mode(tmp_path: Path) -> None:
