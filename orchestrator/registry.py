@@ -15,8 +15,8 @@ Who writes, and why it cannot lose an update:
   ``cancel``) are serialised by SQLite: WAL (readers never block the writer), ``BEGIN IMMEDIATE``
   (a writer holds the write lock *before* it reads what it will change, so read-modify-write
   cannot interleave) and a long busy timeout (a writer waits its turn instead of raising
-  "database is locked"). State updates are monotonic (:func:`progress`), so a reconciler that read
-  SLURM earlier cannot overwrite a newer state written by another one.
+  "database is locked"). An ended attempt cannot be moved back (:func:`accepts`), so a reconciler
+  that read SLURM earlier cannot overwrite the end another one recorded.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ RECHECK_REQUEUABLE_S = 24 * 3600.0
 # What `resubmit --failed` reruns.
 RETRY_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
                           "BOOT_FAIL", "DEADLINE", SUBMIT_FAILED})
-_RANK = {SUBMITTING: 0, SUBMITTED: 1, "PENDING": 2, "REQUEUED": 2, "CONFIGURING": 3, "RUNNING": 3,
-         "COMPLETING": 3, "SUSPENDED": 3}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sweeps (
@@ -106,9 +104,18 @@ def default_path() -> Path:
     return Path(os.environ.get(REGISTRY_ENV) or DEFAULT_PATH).expanduser()
 
 
-def progress(state: str, requeues: int) -> tuple[int, int]:
-    """Order of an attempt's life: a state may only move forward (requeues count as new lives)."""
-    return requeues, 4 if state in TERMINAL_STATES else _RANK.get(state, 2)
+def accepts(old_state: str, old_requeues: int, new_state: str, new_requeues: int) -> bool:
+    """May an attempt recorded in ``old_state`` be moved to ``new_state``?
+
+    A requeue (a higher restart count) starts a new life. Within one life, a final state
+    (COMPLETED, FAILED, ...) only gives way to another final one (SLURM correcting a task's own
+    report); anything else may change freely: a running job goes back to PENDING when SLURM
+    requeues it, and a TIMEOUT or PREEMPTED job may be requeued too. A stale live state written by
+    a slower reconciler is corrected by the next one; a stale end would never be, so ends win.
+    """
+    if new_requeues != old_requeues:
+        return new_requeues > old_requeues
+    return old_state not in FINAL_STATES or new_state in FINAL_STATES
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,7 +314,7 @@ class Registry:
     def observe(self, observations: Iterable[Observation]) -> int:
         """Apply what reconciliation saw, in one transaction; returns how many attempts changed.
 
-        Each row is re-read under the write lock and only moved forward (:func:`progress`).
+        Each row is re-read under the write lock and changed only if :func:`accepts` allows it.
         """
         changed = 0
         with self._write() as db:
@@ -315,7 +322,7 @@ class Registry:
                 row = db.execute("SELECT * FROM attempts WHERE id = ?", (o.attempt_id,)).fetchone()
                 if row is None:
                     continue
-                if progress(o.state, o.requeues) < progress(row["state"], row["requeues"]):
+                if not accepts(row["state"], row["requeues"], o.state, max(o.requeues, row["requeues"])):
                     continue
                 merged = _merge(dict(row), o)
                 if merged == dict(row):
@@ -400,6 +407,8 @@ def _job(row: sqlite3.Row) -> Job:
 
 def _merge(row: dict[str, Any], o: Observation) -> dict[str, Any]:
     merged = dict(row, state=o.state, requeues=max(o.requeues, row["requeues"]))
+    if o.requeues > row["requeues"]:  # a new life: the previous one's end is not this one's
+        merged.update(ended_at=None, exit_code=None, error=None)
     for key in ("started_at", "ended_at", "exit_code", "node", "error"):
         value = getattr(o, key)
         if value is not None:
@@ -482,13 +491,18 @@ def base_id(slurm_id: str) -> str:
     return slurm_id.split("_", 1)[0]
 
 
+QUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"})
+
+
 def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, settled: bool,
           now: float) -> Observation | None:
     """What an attempt's state is now, from what SLURM (or the local process table) reported,
     what the task wrote, and whether its array has finished entirely; None when nothing is known.
 
-    SLURM's terminal states win (a rank other than 0 can fail the job); a task's own end report
-    comes next (sacct lags a few seconds behind the end); then SLURM's live states.
+    SLURM's terminal states win (a rank other than 0 can fail the job). A task's own end report
+    makes the attempt COMPLETING while SLURM still calls it live (sacct lags the end by seconds,
+    and a job requeued while it finished will run again), and ends it only when SLURM has no
+    record to contradict it. Back in the queue, the report is a previous life's and is set aside.
     """
     fields: dict[str, Any] = {}
     if status is not None:
@@ -499,8 +513,12 @@ def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, set
         state = str(reported)
         if state == "COMPLETED" and fields.get("exit_code") is None:
             fields["exit_code"] = 0
+    elif reported in QUEUED_STATES:
+        state = str(reported)
+        fields = {k: v for k, v in fields.items() if k not in ("ended_at", "exit_code", "error")}
     elif ended and status is not None:
-        state = "COMPLETED" if status.exit_code == 0 else "FAILED"
+        state = "COMPLETING" if reported is not None else \
+            "COMPLETED" if status.exit_code == 0 else "FAILED"
     elif reported is not None:
         state = reported
     elif settled:

@@ -39,6 +39,9 @@ STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIG
                  "CANCELLED": "35"}  # everything else that ended badly: red (31)
 
 
+LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})  # runtime still counts
+
+
 class CommandError(RuntimeError):
     """A command cannot do what it was asked; the message says what to run instead."""
 
@@ -103,7 +106,7 @@ class JobRow:
             return None
         if a.ended_at is not None:
             return max(a.ended_at - a.started_at, 0.0)
-        return None if a.state in TERMINAL_STATES else max(now - a.started_at, 0.0)
+        return max(now - a.started_at, 0.0) if a.state in LIVE_STATES else None
 
     def as_json(self, now: float) -> dict[str, Any]:
         a = self.attempt
@@ -198,9 +201,9 @@ def varying(jobs: Sequence[Job]) -> dict[int, list[str]]:
     return {j.num: [o for o in j.overrides if o not in shared] for j in jobs}
 
 
-def jobs_table(rows: Sequence[JobRow], colour: bool, now: float) -> str:
-    headers = ["JOB", "STATE", "TRY", "REQUEUES", "SLURM_ID", "NODE", "STEP", "LOSS", "RUNTIME",
-               "OVERRIDES"]
+def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str = "slurm") -> str:
+    headers = ["JOB", "STATE", "TRY", "REQUEUES", "SLURM_ID" if executor == "slurm" else "PID", "NODE",
+               "STEP", "LOSS", "RUNTIME", "OVERRIDES"]
     overrides = varying([r.job for r in rows])
     cells, painters = [], []
     for r in rows:
@@ -264,7 +267,7 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
     print(f"sweep {sweep.id}  {sweep.app}  {format_time(sweep.created_at)}  {sweep.executor}  "
           f"{summary['jobs']} jobs: {counts or 'none submitted'}\n"
           f"dir: {sweep.sweep_dir}\ncommand: {sweep.command or '-'}\n", file=out)
-    print(jobs_table(rows, colour_enabled(out), now), file=out)
+    print(jobs_table(rows, colour_enabled(out), now, sweep.executor), file=out)
     return 0
 
 

@@ -27,7 +27,7 @@ import logging
 import os
 import subprocess
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -541,6 +541,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
              f"{'array' if settings.executor == 'slurm' else 'group'}(s) -> {sweep_dir}")
     for p in points:
         log.info(f"\t#{p.num} : {' '.join(p.overrides)}")
+    _warn_ignored_resources(settings, points)
     wait = settings.wait if settings.wait is not None else _app_wait(points)
     if settings.executor == "local" and wait:
         launched = _run_local_window(registry, sweep_id, groups, sweep_dir / SUBMITIT_FOLDER,
@@ -552,8 +553,26 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
         return [submitted_return(item, sweep_id) for item in launched]
     returns = [outcome(item) for item in launched]
     _settle(registry, sweep_id)
+    states = Counter(a.state.lower() for a in registry.latest_attempts(sweep_id).values())
+    where = f" --registry {settings.registry}" if settings.registry else ""
+    log.info(f"Switchyard: sweep {sweep_id} ended: {', '.join(f'{n} {s}' for s, n in states.items())} "
+             f"(switchyard status {sweep_id}{where})")
     registry.close()
     return returns
+
+
+RESOURCE_FIELDS = ("partition", "account", "qos", "constraint", "exclude", "timeout_min", "mem_gb",
+                   "cpus_per_task", "nodes", "tasks_per_node", "gpus_per_node", "signal_delay_s",
+                   "max_requeues", "setup", "srun_args")
+
+
+def _warn_ignored_resources(settings: LauncherSettings, points: Sequence[Point]) -> None:
+    """jobs.train's resources come from its groups; a hydra.launcher one set too would be a no-op."""
+    defaults = LauncherSettings()
+    changed = [f for f in RESOURCE_FIELDS if getattr(settings, f) != getattr(defaults, f)]
+    if changed and any(p.is_ddp for p in points):
+        log.warning(f"hydra.launcher.{{{','.join(changed)}}} ignored: these jobs take their resources "
+                    f"from their cluster and parallelism groups (set cluster.* or parallelism.*)")
 
 
 def _app_wait(points: Sequence[Point]) -> bool:

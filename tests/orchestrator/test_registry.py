@@ -27,9 +27,9 @@ from orchestrator.registry import (
     Registry,
     Submitted,
     TaskStatus,
+    accepts,
     expand_array_states,
     infer,
-    progress,
     reconcile,
 )
 
@@ -71,16 +71,22 @@ def test_a_job_is_claimed_submitted_and_observed(tmp_path: Path) -> None:
         assert reg.find_attempt("7_1") == latest[1]
 
 
-def test_states_only_move_forward_unless_requeued(tmp_path: Path) -> None:
+def test_an_end_is_never_undone_but_a_requeue_starts_a_new_life(tmp_path: Path) -> None:
     with Registry(tmp_path / "r.db") as reg:
         sweep_id = _sweep(reg, tmp_path, 1)
         attempt_id = reg.claim(sweep_id, [0])[0]
+        reg.observe([Observation(attempt_id, "RUNNING")])
+        reg.observe([Observation(attempt_id, "PENDING")])  # SLURM requeued it: back in the queue
+        assert reg.latest_attempts(sweep_id)[0].state == "PENDING"
         reg.observe([Observation(attempt_id, "COMPLETED", exit_code=0)])
         assert reg.observe([Observation(attempt_id, "RUNNING")]) == 0  # a stale reconciler's view
         assert reg.latest_attempts(sweep_id)[0].state == "COMPLETED"
         reg.observe([Observation(attempt_id, "RUNNING", requeues=1)])  # a new life after a requeue
-        assert reg.latest_attempts(sweep_id)[0].state == "RUNNING"
-    assert progress("PENDING", 0) < progress("RUNNING", 0) < progress("FAILED", 0) < progress("PENDING", 1)
+        latest = reg.latest_attempts(sweep_id)[0]
+        assert (latest.state, latest.exit_code, latest.ended_at) == ("RUNNING", None, None)
+    assert accepts("TIMEOUT", 0, "PENDING", 0)  # SLURM may requeue a timed-out job
+    assert not accepts("FAILED", 0, "RUNNING", 0) and accepts("COMPLETED", 0, "FAILED", 0)
+    assert not accepts("RUNNING", 2, "RUNNING", 1)
 
 
 def test_only_failed_timed_out_and_cancelled_jobs_are_claimed_for_a_retry(tmp_path: Path) -> None:
@@ -123,8 +129,10 @@ def test_infer_prefers_slurm_terminal_states_then_the_tasks_own_report() -> None
         return seen.state if seen else None
 
     assert state("FAILED", ended_ok) == "FAILED"  # another rank failed the job after rank 0 ended
-    assert state("RUNNING", ended_ok) == "COMPLETED"  # sacct lags the end by a few seconds
-    assert state("RUNNING", ended_bad) == "FAILED"
+    assert state("RUNNING", ended_ok) == "COMPLETING"  # sacct lags the end by a few seconds
+    assert state("COMPLETING", ended_bad) == "COMPLETING"  # ...and SLURM has the last word
+    assert state(None, ended_ok) == "COMPLETED" and state(None, ended_bad) == "FAILED"
+    assert state("REQUEUED", ended_ok) == "REQUEUED"  # that end was a previous life's
     assert state("PENDING", None) == "PENDING"
     assert state(None, started) == "RUNNING"  # sacct has not caught up with the start yet
     assert state(None, None) is None  # nothing known: keep what the registry has

@@ -158,7 +158,7 @@ def test_the_issue_command_trains_every_point_and_status_shows_progress(tmp_path
     proc = run(tmp_path, sys.executable, "-m", "jobs.train", "-m", "optim.lr=1e-3,3e-4",
                "model=mlp,transformer", "cluster=slurm", "cluster.wait=false", *TRAIN_SMALL,
                f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'multirun'}",
-               "hydra.launcher.job_name=sy-train")
+               "cluster.job_name=sy-train")
     sweep = sweep_id(proc)
     table = poll_until_ended(tmp_path, sweep, timeout_s=300)
     assert [row[1] for row in table.values()] == ["COMPLETED"] * 4, table
@@ -177,7 +177,7 @@ def test_the_issue_command_trains_every_point_and_status_shows_progress(tmp_path
 def test_bad_input_fails_at_submission_naming_the_point_and_queues_nothing(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "jobs.train", "-m", "cluster=slurm", *TRAIN_SMALL,
             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'multirun'}",
-            f"hydra.launcher.job_name=sy-bad-{os.getpid()}"]
+            f"cluster.job_name=sy-bad-{os.getpid()}"]
     partition = run(tmp_path, *base, "cluster.partition=debug,nope")
     assert partition.returncode != 0
     assert "sweep point #1 (" in partition.stderr and "cluster.partition=nope)" in partition.stderr
@@ -209,3 +209,25 @@ def test_cancel_one_job_then_the_whole_sweep(tmp_path: Path) -> None:
     states = slurm_query.wait_for_terminal_states(ids, timeout_s=60)
     assert {states[i] for i in ids} == {"CANCELLED"}
     assert "nothing to cancel" in switchyard(tmp_path, "cancel", sweep).stdout
+
+
+def test_a_requeued_job_goes_back_to_the_queue_and_counts_its_requeue(tmp_path: Path) -> None:
+    write_app(tmp_path)
+    sweep = sweep_id(run_app(tmp_path, "x=1", "sleep_s=4", "hydra.launcher.wait=false"))
+    job = f"{sweep}/0"
+
+    def state_within(states: tuple[str, ...], timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while (row := status_table(tmp_path, sweep)[job])[1] not in states:
+            assert time.monotonic() < deadline, row
+            time.sleep(0.5)
+        return row
+
+    slurm_id = state_within(("RUNNING",), 60)[4]
+    subprocess.run(["scontrol", "requeue", slurm_id], check=True)
+    # The first life may finish its sleep after the requeue: it must not be recorded as the end.
+    state_within(("PENDING",), 60)
+    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)  # no 2-min wait
+    row = poll_until_ended(tmp_path, sweep)[job]
+    assert (row[1], row[3]) == ("COMPLETED", "1"), row  # REQUEUES: 1
+    assert len(ran(tmp_path, 1)) == 2
