@@ -376,23 +376,24 @@ class Registry:
         return Attempt(**dict(row)) if row else None
 
     def unsettled(self, sweep_ids: Sequence[int] | None = None) -> list[tuple[Attempt, Job, Sweep]]:
-        """Attempts whose state may still change, with their job and sweep."""
-        recheck_after = time.time() - RECHECK_REQUEUABLE_S
+        """Attempts whose state may still change, with their job and sweep (three queries)."""
         final = ",".join("?" * len(FINAL_STATES))
         requeuable = ",".join("?" * len(REQUEUABLE_STATES))
-        query = (f"SELECT a.id AS attempt_id FROM attempts a WHERE a.state NOT IN ({final}) AND "
-                 f"(a.state NOT IN ({requeuable}) OR a.updated_at > ?)")
-        args: list[Any] = [*sorted(FINAL_STATES), *sorted(REQUEUABLE_STATES), recheck_after]
+        query = (f"SELECT * FROM attempts WHERE state NOT IN ({final}) AND "
+                 f"(state NOT IN ({requeuable}) OR updated_at > ?)")
+        args: list[Any] = [*sorted(FINAL_STATES), *sorted(REQUEUABLE_STATES),
+                           time.time() - RECHECK_REQUEUABLE_S]
         if sweep_ids is not None:
-            query += f" AND a.sweep_id IN ({','.join('?' * len(sweep_ids))})"
+            query += f" AND sweep_id IN ({','.join('?' * len(sweep_ids))})"
             args += list(sweep_ids)
-        ids = [r["attempt_id"] for r in self._db.execute(query, args)]
-        return [self._attempt_with_job(i) for i in ids]
-
-    def _attempt_with_job(self, attempt_id: int) -> tuple[Attempt, Job, Sweep]:
-        row = self._db.execute("SELECT * FROM attempts WHERE id = ?", (attempt_id,)).fetchone()
-        attempt = Attempt(**dict(row))
-        return attempt, self.job(attempt.sweep_id, attempt.num), self.sweep(attempt.sweep_id)
+        attempts = [Attempt(**dict(r)) for r in self._db.execute(query, args)]
+        ids = sorted({a.sweep_id for a in attempts})
+        marks = ",".join("?" * len(ids))
+        sweeps = {r["id"]: Sweep(**dict(r))
+                  for r in self._db.execute(f"SELECT * FROM sweeps WHERE id IN ({marks})", ids)}
+        jobs = {(r["sweep_id"], r["num"]): _job(r)
+                for r in self._db.execute(f"SELECT * FROM jobs WHERE sweep_id IN ({marks})", ids)}
+        return [(a, jobs[(a.sweep_id, a.num)], sweeps[a.sweep_id]) for a in attempts]
 
 
 _LATEST_ATTEMPTS = ("SELECT a.* FROM attempts a JOIN (SELECT sweep_id, num, MAX(attempt) AS attempt "

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -525,39 +526,46 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
                             sweep_dir) for i, overrides in enumerate(job_overrides)]
     if settings.executor == "slurm":
         check_partitions(points)
-    registry = Registry(settings.registry)
-    if state.sweep_id is None:
-        state.entry = write_entry(sweep_dir, task_function, hydra_context)
-        state.sweep_id = registry.create_sweep(
-            app=str(master.hydra.job.name), command=" ".join(master.hydra.overrides.task),
-            sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
-    sweep_id, entry = state.sweep_id, cast(Path, state.entry)
-    for p in points:
-        write_point(p, entry)
-    registry.add_jobs(Job(sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
-                          p.total_steps) for p in points)
-    groups = group_points(points)
+    _warn_ignored_resources(settings, points)
+    wait = settings.wait if settings.wait is not None else _app_wait(points)
+    with Registry(settings.registry) as registry:
+        if state.sweep_id is None:  # Hydra's later batches of the same sweep join it
+            state.entry = write_entry(sweep_dir, task_function, hydra_context)
+            state.sweep_id = registry.create_sweep(
+                app=str(master.hydra.job.name), command=" ".join(master.hydra.overrides.task),
+                sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
+        for p in points:
+            write_point(p, cast(Path, state.entry))
+        registry.add_jobs(Job(state.sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
+                              p.total_steps) for p in points)
+        return _submit_and_wait(settings, registry, state.sweep_id, points, sweep_dir, wait)
+
+
+def _submit_and_wait(settings: LauncherSettings, registry: Registry, sweep_id: int,
+                     points: Sequence[Point], sweep_dir: Path, wait: bool) -> list[JobReturn]:
+    groups, folder = group_points(points), sweep_dir / SUBMITIT_FOLDER
     log.info(f"Switchyard: sweep {sweep_id}: {len(points)} jobs in {len(groups)} "
              f"{'array' if settings.executor == 'slurm' else 'group'}(s) -> {sweep_dir}")
     for p in points:
         log.info(f"\t#{p.num} : {' '.join(p.overrides)}")
-    _warn_ignored_resources(settings, points)
-    wait = settings.wait if settings.wait is not None else _app_wait(points)
-    if settings.executor == "local" and wait:
-        launched = _run_local_window(registry, sweep_id, groups, sweep_dir / SUBMITIT_FOLDER,
-                                     settings.poll_s)
-    else:
-        launched = _submit_all(registry, sweep_id, groups, sweep_dir / SUBMITIT_FOLDER)
-    if not wait:
-        _print_submitted(sweep_id, launched, settings.registry)
-        return [submitted_return(item, sweep_id) for item in launched]
-    returns = [outcome(item) for item in launched]
+    where = f" --registry {settings.registry}" if settings.registry else ""
+    try:
+        if settings.executor == "local" and wait:
+            launched = _run_local_window(registry, sweep_id, groups, folder, settings.poll_s)
+        else:
+            launched = _submit_all(registry, sweep_id, groups, folder)
+        if not wait:
+            _print_submitted(sweep_id, launched, settings.registry)
+            return [submitted_return(item, sweep_id) for item in launched]
+        returns = [outcome(item) for item in launched]
+    except KeyboardInterrupt:
+        print(f"\nsweep {sweep_id}: what was submitted keeps running. Follow it with switchyard status "
+              f"{sweep_id}{where}; stop it with switchyard cancel {sweep_id}{where}", file=sys.stderr)
+        raise
     _settle(registry, sweep_id)
     states = Counter(a.state.lower() for a in registry.latest_attempts(sweep_id).values())
-    where = f" --registry {settings.registry}" if settings.registry else ""
     log.info(f"Switchyard: sweep {sweep_id} ended: {', '.join(f'{n} {s}' for s, n in states.items())} "
              f"(switchyard status {sweep_id}{where})")
-    registry.close()
     return returns
 
 
@@ -690,6 +698,8 @@ def resubmit_failed(registry: Registry, sweep_id: int) -> list[tuple[Job, str]]:
                                             Resources.from_json(json.loads(key)),
                                             [j.run_dir for j in group], folder)
         except Exception as e:
+            left = [claims[n] for n in claims if n not in {j.num for j, _ in out} | {j.num for j in group}]
+            registry.fail_claims(left, "not submitted: an earlier array of this resubmission failed")
             done = f" ({len(out)} jobs were resubmitted before it)" if out else ""
             raise SweepError(f"resubmitting {' '.join(j.ref for j in group)} failed: {e}{done}") from e
         out += [(j, str(sj.job_id)) for j, sj in zip(group, executor_jobs, strict=True)]
