@@ -6,14 +6,14 @@ otherwise put every rank's copy on GPU 0 (the classic "GPU 0 fills up at DDP sta
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from orchestrator.atomic import atomic_write
 
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
@@ -36,29 +36,11 @@ def path_for(directory: Path, step: int) -> Path:
 
 def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
     """Write atomically, then drop all but the newest ``keep_last``."""
-    directory.mkdir(parents=True, exist_ok=True)
     final = path_for(directory, step)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(directory)  # the rename itself is durable only once the directory is synced
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(final, binary=True) as f:
+        torch.save(state, f)
     prune(directory, keep_last)
     return final
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def listed(directory: Path) -> list[tuple[int, Path]]:

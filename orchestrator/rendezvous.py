@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from orchestrator import atomic
 from orchestrator.dist_env import DistEnv
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
@@ -51,10 +51,8 @@ def resolve(host: str) -> str:
 
 
 def publish(path: Path, endpoint: Endpoint) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"host": endpoint.host, "port": endpoint.port}))
-    os.replace(tmp, path)  # readers see the whole file or none
+    # Readers poll for this file: they must see all of it or nothing.
+    atomic.write_json(path, {"host": endpoint.host, "port": endpoint.port}, durable=False)
 
 
 def wait_for_endpoint(path: Path, timeout_s: float) -> Endpoint:

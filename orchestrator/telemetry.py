@@ -24,7 +24,6 @@ import os
 import re
 import resource
 import statistics
-import tempfile
 import threading
 import time
 import traceback
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 
 import psutil
+
+from orchestrator import atomic
 
 try:
     import pynvml as _pynvml
@@ -180,18 +181,8 @@ def node_file(run_dir: Path, node: str) -> Path:
 
 
 def _write_json_atomic(path: Path, obj: object) -> None:
-    """Temp file in the same directory, fsync, rename: a killed rank leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """A killed rank leaves the old file or the new one; rewritten often, so no directory fsync."""
+    atomic.write_json(path, obj, durable=False)
 
 
 @dataclass(frozen=True)

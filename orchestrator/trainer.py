@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from orchestrator import checkpoint, dist_env, preemption, runtime, telemetry
+from orchestrator import atomic, checkpoint, dist_env, preemption, runtime, telemetry
 from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.runtime import Runtime
 from sharding import ShardedDataset, open_dataset
@@ -460,9 +460,7 @@ class Trainer:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    tmp = run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(run_dir / "summary.json")
+    atomic.write_json(run_dir / "summary.json", summary, indent=2)
 
 
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:
