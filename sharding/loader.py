@@ -146,19 +146,21 @@ class RankDataset(Dataset[Batch]):
         per field measured faster than one ``read_into`` per field, which locates the sample
         and checks the buffer again for each field; here the buffers fit by construction.
         """
-        padded = [(f.name, data[f.name].numpy()) for f in self._fields if f.shape is None]
+        # Per padded field: its rows as a list of [max_len, *trailing] views, and max_len.
+        padded = [(f.name, list(data[f.name].numpy()), data[f.name].shape[1])
+                  for f in self._fields if f.shape is None]
         stacked = [(f.name, data[f.name].numpy()) for f in self._fields if f.shape is not None]
         pad_value, sample_of = self.pad_value, self.dataset.sample
         for b, i in enumerate(indices):
             sample = sample_of(i)
-            for name, rows in padded:  # rows: [B, max_len, *trailing]
-                view = sample[name]
+            for name, rows, max_len in padded:
+                view, row = sample[name], rows[b]
                 num_rows = len(view)
-                rows[b, :num_rows] = view  # the one copy out of the memory map
-                if num_rows < rows.shape[1]:
-                    rows[b, num_rows:] = pad_value  # only the padding: batches are not zeroed
-            for name, rows in stacked:  # rows: [B, *shape]
-                rows[b] = sample[name]
+                row[:num_rows] = view  # the one copy out of the memory map
+                if num_rows < max_len:
+                    row[num_rows:] = pad_value  # only the padding: batches are not zeroed
+            for name, stacked_rows in stacked:  # [B, *shape]
+                stacked_rows[b] = sample[name]
 
     def _assemble(
         self,
