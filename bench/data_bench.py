@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -456,7 +457,7 @@ def bench_dataloader(plan: Plan, cache: Path, repeats: int) -> list[dict[str, An
 
 
 def mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:,.0f}"
+    return f"{round(num_bytes / 2**20):,}"  # round() gives an int: never "-0"
 
 
 def report_reads(rows: list[dict[str, Any]]) -> list[str]:
@@ -531,12 +532,10 @@ def report_targets(reads: list[dict[str, Any]], memory: list[dict[str, Any]],
 
 
 def environment(plan: Plan) -> list[str]:
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
-    for module in ("streaming", "litdata"):
-        with contextlib.suppress(Exception):
-            versions[module] = __import__(module).__version__
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "numpy", "mosaicml-streaming", "litdata"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
     return [f"- date: {datetime.date.today().isoformat()}",
             f"- machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
             f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {platform.system()} {platform.release()}",
@@ -556,7 +555,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-anchors", action="store_true",
                         help="leave out MosaicML streaming and litdata (when not installed)")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/switchyard-bench"))
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per reader (best kept)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed passes per reader and epochs per pipeline (best kept; default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", choices=("reads", "memory", "loader"), action="append",
                         help="run only these parts (repeatable); default: all")
