@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator import atomic
+
 REGISTRY_ENV = "SWITCHYARD_REGISTRY"
 DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
 BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
@@ -442,14 +444,8 @@ class TaskStatus:
         return Path(run_dir) / ".switchyard" / "attempts" / f"{job_id}.json"
 
     def write(self, run_dir: str | Path) -> None:
-        target = self.path(run_dir, self.job_id)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.__dict__, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        # No directory fsync: the next start or end rewrites it, and SLURM has the state anyway.
+        atomic.write_json(self.path(run_dir, self.job_id), self.__dict__, durable=False)
 
     @classmethod
     def read(cls, run_dir: str | Path, job_id: str) -> TaskStatus | None:
