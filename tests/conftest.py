@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -34,6 +35,21 @@ def slurm_cluster() -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def isolated_hydra_version_base() -> Iterator[None]:
+    """Hydra keeps ``version_base`` in a process-wide singleton: a test that composes with
+    version_base="1.3" (no chdir) would otherwise change the defaults for every later test, e.g.
+    Hydra's own launcher suites, which expect the unspecified default."""
+    from hydra.version import VersionBase
+
+    saved = VersionBase.instance()
+    fresh = VersionBase.__new__(VersionBase)  # VersionBase() would return the singleton itself
+    fresh.__init__()  # type: ignore[misc]
+    VersionBase.set_instance(fresh)
+    yield
+    VersionBase.set_instance(saved)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
