@@ -439,8 +439,9 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
         return 0
     print(f"resubmitted {len(resubmitted)} job(s) of sweep {ref.sweep_id} from their saved configs:",
           file=out)
+    shown = varying(registry.jobs(ref.sweep_id))
     print(render_table(["JOB", "SLURM_ID", "OVERRIDES"],
-                       [[job.ref, slurm_id, " ".join(job.overrides)] for job, slurm_id in resubmitted]),
+                       [[job.ref, slurm_id, " ".join(shown[job.num])] for job, slurm_id in resubmitted]),
           file=out)
     print(f"follow it with: {command(registry, 'status', ref.sweep_id)}", file=out)
     return 0
