@@ -188,6 +188,8 @@ def recache(cache: Path, formats: Sequence[str]) -> None:
     in small folios; read back in large reads, readahead builds large ones, which a memory map
     can cover with 2 MiB entries (fewer TLB misses on random reads: measured here up to 1.7x
     faster for the same reader). Without this the comparison would measure write history.
+    Called before each part: this VM's memory reclaim (DAMON, action pageout) evicts page-cache
+    pages left unread for about a minute, so a part must not inherit what the last one left.
     """
     for name in formats:
         for path in sorted(p for p in (cache / name).rglob("*") if p.is_file()):
@@ -578,24 +580,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     cache = args.cache_dir / f"{args.size_gb:g}gb-seed{args.seed}"
     parts = set(args.only or ("reads", "memory", "loader"))
     print(f"data: {len(plan.rows):,} samples, {plan.num_bytes / 1e9:.2f} GB in {cache}", flush=True)
-    formats = sorted({r.needs for r in readers} | {"switchyard", "pt"})
-    ensure_formats(plan, cache, formats)
-    recache(cache, formats)
+    ensure_formats(plan, cache, sorted({r.needs for r in readers} | {"switchyard", "pt"}))
     out = ["## Environment", "", *environment(plan), ""]
     if args.skip_anchors:
         out += ["MosaicML streaming and litdata: skipped (--skip-anchors).", ""]
     reads = memory = loader = []
     if "reads" in parts:
         print("random reads", flush=True)
+        recache(cache, sorted({r.needs for r in readers}))
         reads = bench_random_reads(readers, plan, cache, args.repeats)
         out += ["## Random per-sample reads (page cache warm)", "", *report_reads(reads), ""]
     if "memory" in parts:
         print("memory, 4 processes", flush=True)
+        recache(cache, ["pt", "raw", "switchyard"])
         memory = bench_memory([READERS[0], READERS[1], READERS[3], READERS[4]], plan, cache)
         out += ["## Memory, 4 processes reading the whole dataset", "",
                 *report_memory(memory, plan.num_bytes), ""]
     if "loader" in parts:
         print("DataLoader end to end", flush=True)
+        recache(cache, ["pt", "switchyard"])
         loader = bench_dataloader(plan, cache, args.repeats)
         out += ["## DataLoader end to end (batches of 64 padded samples)", "", *report_dataloader(loader), ""]
     if reads and memory and loader:
