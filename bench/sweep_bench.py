@@ -143,8 +143,8 @@ def run_all(args: argparse.Namespace, work: Path) -> list[Row]:
     app = write_app(work, "switchyard_slurm")
     for mode, flag in (("non-blocking", "false"), ("blocking", "true")):
         for _ in range(args.repeats):
-            rows.append(measure("switchyard_slurm", mode, points,
-                                [python, "app.py", "-m", sweep, f"hydra.launcher.wait={flag}"], app, work, {}))
+            cmd = [python, "app.py", "-m", sweep, f"hydra.launcher.wait={flag}"]
+            rows.append(measure("switchyard_slurm", mode, points, cmd, app, work, {}))
             wait_for_queue_to_drain("app")
     if args.baseline_site:
         base = write_app(work, "submitit_slurm")
