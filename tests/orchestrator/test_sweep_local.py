@@ -103,6 +103,15 @@ def test_blocking_local_sweep_runs_every_point_and_records_it(tmp_path: Path) ->
     assert (run_dir / ".hydra" / "overrides.yaml").exists()  # Hydra's own outputs, as usual
 
 
+def test_hydras_batches_of_one_sweep_are_recorded_as_one_sweep(tmp_path: Path) -> None:
+    write_app(tmp_path)
+    proc = run_app(tmp_path, "x=1,2,3", "hydra.sweeper.max_batch_size=2",
+                   "hydra.launcher.array_parallelism=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweeps = json.loads(switchyard(tmp_path, "status", "--json").stdout)["sweeps"]
+    assert [(s["id"], s["jobs"], s["states"]) for s in sweeps] == [(1, 3, {"COMPLETED": 3})]
+
+
 def test_a_failing_point_fails_the_blocking_sweep_with_its_own_error(tmp_path: Path) -> None:
     write_app(tmp_path)
     (tmp_path / "out" / "fail-2").touch()

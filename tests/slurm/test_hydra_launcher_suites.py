@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
-from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
+from hydra.test_utils.launcher_common_tests import (
+    BatchedSweeperTestSuite,
+    IntegrationTestSuite,
+    LauncherTestSuite,
+)
 
 from hydra_plugins.switchyard_launcher.launcher import SwitchyardLauncher
 
@@ -38,6 +42,14 @@ def test_discovery() -> None:
 ])
 class TestSwitchyardSlurmLauncher(LauncherTestSuite):
     pass
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [
+    ("switchyard_slurm", [f"hydra.launcher.{k}={v}" for k, v in LAUNCHER_SETTINGS.items()]
+     + ["hydra.sweeper.max_batch_size=2"]),
+])
+class TestSwitchyardSlurmLauncherBatches(BatchedSweeperTestSuite):
+    """Hydra hands the launcher 3 batches of 2: three launch() calls, one array each."""
 
 
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"), [(
