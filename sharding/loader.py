@@ -127,71 +127,67 @@ class RankDataset(Dataset[Batch]):
         indices, is_pad = decode_array(values)  # int64 [B], bool [B]
         shared = get_worker_info() is not None  # in a worker: build the batch in shared memory
         lengths = {name: self.dataset.leading_sizes(name, indices) for name in self.padded_fields}
-        data = {}
-        for f in self._fields:
-            if f.shape is None:
-                shape = (len(indices), int(lengths[f.name].max()), *f.trailing)
-            else:
-                shape = (len(indices), *f.shape)
-            # A worker's batch leaves the process: fresh shared memory. In-process, reuse memory.
-            pool = self._pools[f.name]
-            data[f.name] = _shared_empty(shape, f.dtype) if shared else pool.empty(shape, f.dtype)
+        data = {f.name: self._allocate(f, len(indices), lengths, shared) for f in self._fields}
         self._copy_samples(indices.tolist(), data)
-        return self._assemble(data, lengths, indices, is_pad, shared)
+        # The small tensors, in numpy first: index, is_pad, then per padded field lengths, mask.
+        small = [indices, is_pad]
+        for name in self.padded_fields:
+            max_len = data[name].shape[1]
+            small += [lengths[name], np.arange(max_len)[None, :] < lengths[name][:, None]]  # [B, L]
+        index, pad_flags, *per_field = _small_tensors(small, shared)
+        batch: Batch = {}  # collate_padded's key order
+        for f in self._fields:
+            batch[f.name] = data[f.name]
+            if f.shape is None:
+                k = 2 * self.padded_fields.index(f.name)
+                batch[f"{f.name}_lengths"], batch[f"{f.name}_mask"] = per_field[k], per_field[k + 1]
+        batch["index"], batch["is_pad"] = index, pad_flags
+        return batch
+
+    def _allocate(
+        self, field: _Field, num: int, lengths: dict[str, np.ndarray], shared: bool
+    ) -> torch.Tensor:
+        """Uninitialized ``[B, max_len, *trailing]`` (padded) or ``[B, *shape]`` (stacked)."""
+        if field.shape is None:
+            shape = (num, int(lengths[field.name].max()), *field.trailing)
+        else:
+            shape = (num, *field.shape)
+        if shared:  # a worker's batch leaves the process: fresh shared memory
+            return _shared_empty(shape, field.dtype)
+        return self._pools[field.name].empty(shape, field.dtype)  # in-process: reused memory
 
     def _copy_samples(self, indices: list[int], data: dict[str, torch.Tensor]) -> None:
         """Copy every sample's fields from the map into row b of its field's batch tensor.
 
-        One ``sample()`` per sample (views of all fields from one lookup) plus one assignment
-        per field measured faster than one ``read_into`` per field, which locates the sample
-        and checks the buffer again for each field; here the buffers fit by construction.
+        One ``sample()`` per sample (views of all fields from one lookup), then one tight loop
+        per field: measured faster than one ``read_into`` per field and sample, which locates
+        the sample and checks the buffer each time (here the buffers fit by construction).
         """
-        # Per padded field: its rows as a list of [max_len, *trailing] views, and max_len.
-        padded = [(f.name, list(data[f.name].numpy()), data[f.name].shape[1])
-                  for f in self._fields if f.shape is None]
-        stacked = [(f.name, data[f.name].numpy()) for f in self._fields if f.shape is not None]
-        pad_value, sample_of = self.pad_value, self.dataset.sample
-        for b, i in enumerate(indices):
-            sample = sample_of(i)
-            for name, rows, max_len in padded:
-                view, row = sample[name], rows[b]
+        sample_of, pad_value = self.dataset.sample, self.pad_value
+        samples = [sample_of(i) for i in indices]  # {field: view into the map} per sample
+        for f in self._fields:
+            out, name = data[f.name].numpy(), f.name
+            if f.shape is not None:
+                np.stack([sample[name] for sample in samples], out=out)  # [B, *shape]
+                continue
+            max_len = out.shape[1]
+            for row, sample in zip(out, samples, strict=True):  # row: [max_len, *trailing]
+                view = sample[name]
                 num_rows = len(view)
                 row[:num_rows] = view  # the one copy out of the memory map
                 if num_rows < max_len:
                     row[num_rows:] = pad_value  # only the padding: batches are not zeroed
-            for name, stacked_rows in stacked:  # [B, *shape]
-                stacked_rows[b] = sample[name]
 
-    def _assemble(
-        self,
-        data: dict[str, torch.Tensor],
-        lengths: dict[str, np.ndarray],
-        indices: np.ndarray,
-        is_pad: np.ndarray,
-        shared: bool,
-    ) -> Batch:
-        """The batch in collate_padded's key order. index, is_pad, lengths and masks share one
-        block of memory: one shared-memory handle per batch for all of them, not one each."""
-        padded, num = self.padded_fields, len(indices)
-        index, pad_flags, *small = _carve(
-            [((num,), torch.int64), ((num,), torch.bool)]
-            + [((num,), torch.int64) for _ in padded]
-            + [((num, data[name].shape[1]), torch.bool) for name in padded],
-            shared,
-        )
-        index.numpy()[:] = indices
-        pad_flags.numpy()[:] = is_pad
-        batch: Batch = {}
-        for f in self._fields:
-            batch[f.name] = data[f.name]
-            if f.shape is None:
-                k = padded.index(f.name)
-                field_lengths, mask = small[k], small[len(padded) + k]  # int64 [B], bool [B, L]
-                field_lengths.numpy()[:] = lengths[f.name]
-                torch.lt(torch.arange(mask.shape[1])[None, :], field_lengths[:, None], out=mask)
-                batch[f"{f.name}_lengths"], batch[f"{f.name}_mask"] = field_lengths, mask
-        batch["index"], batch["is_pad"] = index, pad_flags
-        return batch
+
+def _small_tensors(arrays: list[np.ndarray], shared: bool) -> list[torch.Tensor]:
+    """The arrays as tensors: zero-copy in-process; in a worker, copied into one shared block
+    (one shared-memory handle per batch for all of them, not one each)."""
+    if not shared:
+        return [torch.from_numpy(a) for a in arrays]
+    tensors = _carve([(a.shape, torch.from_numpy(a).dtype) for a in arrays], shared=True)
+    for tensor, array in zip(tensors, arrays, strict=True):
+        tensor.numpy()[...] = array
+    return tensors
 
 
 def _field(dataset: ShardedDataset, name: str, fixed: frozenset[str]) -> _Field:
