@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from orchestrator import telemetry
 from orchestrator.registry import (
     RETRY_STATES,
     TERMINAL_STATES,
@@ -99,6 +100,7 @@ class JobRow:
     attempt: Attempt | None
     step: int | None
     loss: float | None
+    memory: dict[str, Any] | None = None  # summary.json's memory section (telemetry so far if running)
 
     def runtime_s(self, now: float) -> float | None:
         a = self.attempt
@@ -117,7 +119,8 @@ class JobRow:
                 "error": a.error if a else None, "step": self.step, "total_steps": self.job.total_steps,
                 "loss": self.loss, "runtime_s": self.runtime_s(now),
                 "started_at": a.started_at if a else None, "ended_at": a.ended_at if a else None,
-                "run_dir": self.job.run_dir, "log_dir": a.log_dir if a else None}
+                "run_dir": self.job.run_dir, "log_dir": a.log_dir if a else None,
+                "memory": self.memory}
 
 
 def last_metrics(run_dir: str) -> dict[str, Any] | None:
@@ -146,8 +149,36 @@ def job_rows(registry: Registry, sweep_id: int) -> list[JobRow]:
         metrics = last_metrics(job.run_dir) or {}
         step, loss = metrics.get("step"), metrics.get("train_loss")
         rows.append(JobRow(job, latest.get(job.num), step if isinstance(step, int) else None,
-                           float(loss) if isinstance(loss, int | float) else None))
+                           float(loss) if isinstance(loss, int | float) else None,
+                           job_memory(job.run_dir)))
     return rows
+
+
+def job_memory(run_dir: str) -> dict[str, Any] | None:
+    """The run's memory section: from summary.json once it ended, else from its telemetry so far."""
+    try:
+        memory = json.loads((Path(run_dir) / "summary.json").read_text()).get("memory")
+        return memory if isinstance(memory, dict) else None
+    except (OSError, ValueError):
+        pass
+    if not telemetry.telemetry_dir(Path(run_dir)).is_dir():
+        return None
+    try:
+        return telemetry.summarize(Path(run_dir))
+    except (OSError, ValueError, KeyError):  # files being written right now: show nothing yet
+        return None
+
+
+def peak_memory_text(memory: dict[str, Any] | None) -> str:
+    """The highest peak of the job: over its GPUs, or over its ranks' RSS on CPU."""
+    if not memory:
+        return "-"
+    peaks = [g.get("peak_used_bytes") or 0 for g in memory.get("gpus", [])] or \
+        [r.get("peak_rss_bytes") or 0 for r in memory.get("ranks", [])]
+    if not peaks:
+        return "-"
+    flags = len(memory.get("flags", []))
+    return f"{max(peaks) / 2**30:.2f} GiB" + (f" !{flags}" if flags else "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,7 +234,7 @@ def varying(jobs: Sequence[Job]) -> dict[int, list[str]]:
 
 def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str = "slurm") -> str:
     headers = ["JOB", "STATE", "TRY", "REQUEUES", "SLURM_ID" if executor == "slurm" else "PID", "NODE",
-               "STEP", "LOSS", "RUNTIME", "OVERRIDES"]
+               "STEP", "LOSS", "PEAK MEM", "RUNTIME", "OVERRIDES"]
     overrides = varying([r.job for r in rows])
     cells, painters = [], []
     for r in rows:
@@ -211,7 +242,8 @@ def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str =
         state = a.state if a else "-"
         cells.append([r.job.ref, state, str(a.attempt) if a else "0", str(a.requeues) if a else "0",
                       (a.slurm_id or "-") if a else "-", (a.node or "-") if a else "-", _progress(r),
-                      f"{r.loss:.4f}" if r.loss is not None else "-", format_duration(r.runtime_s(now)),
+                      f"{r.loss:.4f}" if r.loss is not None else "-", peak_memory_text(r.memory),
+                      format_duration(r.runtime_s(now)),
                       " ".join(overrides[r.job.num]) or "-"])
         painters.append({1: paint(state, colour)})
     return render_table(headers, cells, painters)
@@ -268,6 +300,9 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
           f"{summary['jobs']} jobs: {counts or 'none submitted'}\n"
           f"dir: {sweep.sweep_dir}\ncommand: {sweep.command or '-'}\n", file=out)
     print(jobs_table(rows, colour_enabled(out), now, sweep.executor), file=out)
+    flags = [f"  {r.job.ref}: ! {flag}" for r in rows if r.memory for flag in r.memory.get("flags", [])]
+    if flags:  # idle GPUs, GPU 0 overload, a rank on another rank's GPU: worth a line each
+        print("\nmemory warnings:\n" + "\n".join(flags), file=out)
     return 0
 
 
@@ -358,7 +393,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources,
                           "config_path": str(config_path), "config": config_text,
-                          "attempts": [a.__dict__ for a in attempts]}, indent=1), file=out)
+                          "attempts": [a.__dict__ for a in attempts],
+                          "memory": job_memory(job.run_dir)}, indent=1), file=out)
         return 0
     colour = colour_enabled(out)
     print(f"job {job.ref}  sweep {sweep.id} ({sweep.app})\noverrides: {' '.join(job.overrides) or '-'}\n"
@@ -369,6 +405,9 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
               a.error or ""] for a in attempts]
     print(render_table(["TRY", "SLURM_ID", "STATE", "REQUEUES", "EXIT", "NODE", "STARTED", "RUNTIME",
                         "ERROR"], cells, [{2: paint(a.state, colour)} for a in attempts]), file=out)
+    memory = job_memory(job.run_dir)
+    if memory:
+        print("\n" + telemetry.format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
     return 0
 
