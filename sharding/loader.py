@@ -16,10 +16,12 @@ each sample from the memory map straight into its row: one copy per byte, no per
 no re-collation. The DataLoader still passes the finished batch to ``collate_fn``: ``pass_batch``
 (an identity) is the one to use, and the one ``make_loader`` installs. With workers the batch is
 built in the worker, directly in shared memory, so sending it to the main process copies nothing.
+Without workers, batch memory comes from a few reused buffers (``BufferPool``): a buffer is
+reused only once no tensor of its batch is alive, so keeping a batch is always safe.
 
-A batch is a plain ``dict[str, torch.Tensor]`` with the keys of ``collate_padded``, so the
-per-sample path ``collate_padded([rank_ds[v] for v in values], fixed=rank_ds.fixed)`` gives the
-same batch, plus two per-entry fields from the sampler:
+A batch is a plain ``dict[str, torch.Tensor]``: the keys ``collate_padded`` gives, plus two
+per-entry fields from the sampler. The per-sample path,
+``collate_padded([rank_ds[v] for v in values], fixed=rank_ds.fixed)``, gives the same batch:
 
     field           [B, max_len, *trailing]  a variable field, padded with pad_value
     field_lengths   int64 [B]
