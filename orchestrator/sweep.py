@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
@@ -214,9 +214,17 @@ class CompositionCache:
     def __init__(self, loader: ConfigLoader) -> None:
         self.loader = loader
         self._kept: dict[tuple[int, tuple[str, ...]], DictConfig] = {}
+        self._validated: dict[int, int] = {}  # sweep (master config) -> points composed so far
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
-        config = self.loader.load_sweep_config(master_config, sweep_overrides)
+        # The sweeper validates points in job order, so this count is the failing point's number.
+        num = self._validated.get(id(master_config), 0)
+        self._validated[id(master_config)] = num + 1
+        try:
+            config = self.loader.load_sweep_config(master_config, sweep_overrides)
+        except (HydraException, OmegaConfBaseException) as e:
+            # Hydra's own message names the key; with many points the user also needs which one.
+            raise SweepError(f"sweep point #{num} ({' '.join(sweep_overrides)}): {e}") from e
         self._kept[(id(master_config), tuple(sweep_overrides))] = config
         return config
 
