@@ -146,10 +146,17 @@ def read_pid(pid_file: Path) -> int | None:
 
 
 def _comm(pid: int) -> str | None:
+    """The live process's name, or None when it is gone or a zombie (dead, waiting to be reaped:
+    a daemon killed with its session can linger like that, and must count as stopped)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
+    # "PID (COMM) STATE ...": COMM may hold spaces or parentheses, so split at the last ")".
+    comm, _, rest = stat.partition(" (")[2].rpartition(")")
+    if rest.split()[:1] == ["Z"]:
+        return None
+    return comm
 
 
 def running_pid(daemon: Daemon) -> int | None:

@@ -59,3 +59,26 @@ def test_non_root_gets_told_to_use_sudo(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
     with pytest.raises(cluster.ClusterError, match=r"must run as root.*sudo"):
         cluster.check_root()
+
+
+def test_a_zombie_daemon_counts_as_stopped(tmp_path: Path) -> None:
+    """Daemons killed with a session can linger as zombies; `up` must start them again."""
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sleep", "0"])  # exits at once; not reaped until wait()
+    time.sleep(0.5)
+    lay = layout(tmp_path)
+    fake = cluster.Daemon("sleep", "sleep", tmp_path / "sleep.pid", None, tmp_path / "sleep.log")
+    fake.pid_file.write_text(f"{child.pid}\n")
+    assert Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1].startswith("Z")
+    assert cluster.running_pid(fake) is None
+    child.wait()
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        fake.pid_file.write_text(f"{alive.pid}\n")
+        assert cluster.running_pid(fake) == alive.pid
+    finally:
+        alive.kill()
+        alive.wait()
+    assert lay.state_dir == tmp_path
