@@ -57,7 +57,7 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
     if paths.eval is not None:
         _check_dataset("data.eval_path", paths.eval, cfg)
     with torch.device("meta"):  # builds the model's structure without allocating its weights
-        trainer.build_model(cfg.model, in_features, cfg.data.num_classes or cfg.data.demo_classes, cfg.memory)
+        trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
     if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
         raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from orchestrator import atomic, checkpoint, dist_env, preemption, runtime, telemetry
-from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
+from orchestrator.config import ConfigError, DataConfig, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.runtime import Runtime
 from sharding import ShardedDataset, open_dataset
 from sharding.loader import make_loader
@@ -50,7 +50,7 @@ class DataPaths:
 
 def build_model(spec: Any, in_features: int, num_classes: int, memory: MemoryConfig) -> nn.Module:
     """Instantiate ``spec._target_`` with the dataset's shape and the rest of spec as kwargs."""
-    kwargs = dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
+    kwargs = model_spec(spec)
     target = kwargs.pop("_target_", None)
     model_cls = import_target(target)
     model = model_cls(in_features=in_features, num_classes=num_classes, **kwargs)
@@ -61,6 +61,16 @@ def build_model(spec: Any, in_features: int, num_classes: int, memory: MemoryCon
                               f"(try memory.activation_checkpointing=false)")
         model.enable_activation_checkpointing()
     return model
+
+
+def model_spec(spec: Any) -> dict[str, Any]:
+    """The model group as a plain dict: a built-in's dataclass, or a custom model's mapping."""
+    return dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
+
+
+def output_classes(data: DataConfig) -> int:
+    """The model's output size: data.num_classes, or the demo dataset's class count."""
+    return data.num_classes or data.demo_classes
 
 
 def import_target(target: Any) -> Any:
@@ -191,9 +201,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def compatibility(cfg: TrainConfig, in_features: int, num_classes: int) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it (shapes, not step counts)."""
-    spec = cfg.model
-    model = dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
-    return {"model": model, "in_features": in_features, "num_classes": num_classes,
+    return {"model": model_spec(cfg.model), "in_features": in_features, "num_classes": num_classes,
             "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16"}
 
 
@@ -277,7 +285,7 @@ class Trainer:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
         self.train_ds: ShardedDataset = open_dataset(paths.train)
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
-        num_classes = cfg.data.num_classes or cfg.data.demo_classes
+        num_classes = output_classes(cfg.data)
         runtime.seed_everything(cfg.seed, rt.env.rank)
         model = build_model(cfg.model, feature_count(self.train_ds, cfg.data.input_field), num_classes,
                             cfg.memory)

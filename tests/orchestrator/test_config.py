@@ -60,3 +60,14 @@ def test_nccl_needs_gpus() -> None:
 def test_tasks_per_node_is_gpus_or_processes() -> None:
     assert ParallelismConfig(nodes=2, gpus_per_node=4).world_size == 8
     assert ParallelismConfig(nodes=2, gpus_per_node=0, procs_per_node=3).world_size == 6
+
+
+def test_cfg_job_prints_the_resolved_config_without_running() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "--cfg", "job", "model=transformer",
+                           "optim.lr=0.01"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "_target_: jobs.models.RowTransformer" in proc.stdout and "lr: 0.01" in proc.stdout
+    assert "run_dir:" not in proc.stdout  # printing the config submits nothing

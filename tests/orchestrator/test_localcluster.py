@@ -68,7 +68,6 @@ def test_a_zombie_daemon_counts_as_stopped(tmp_path: Path) -> None:
 
     child = subprocess.Popen(["sleep", "0"])  # exits at once; not reaped until wait()
     time.sleep(0.5)
-    lay = layout(tmp_path)
     fake = cluster.Daemon("sleep", "sleep", tmp_path / "sleep.pid", None, tmp_path / "sleep.log")
     fake.pid_file.write_text(f"{child.pid}\n")
     assert Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1].startswith("Z")
@@ -81,4 +80,3 @@ def test_a_zombie_daemon_counts_as_stopped(tmp_path: Path) -> None:
     finally:
         alive.kill()
         alive.wait()
-    assert lay.state_dir == tmp_path

@@ -4,7 +4,6 @@ a real Hydra app in a subprocess, the registry, and the `switchyard` commands.""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,52 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sweep_probe
+
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
-APP = """
-import os
-import time
-from pathlib import Path
-
-import hydra
-from omegaconf import DictConfig
-
-
-@hydra.main(version_base="1.3", config_path=".", config_name="config")
-def main(cfg: DictConfig) -> int:
-    Path(cfg.out_dir, f"ran-{cfg.x}-{os.getpid()}").write_text(str(cfg.label))
-    if Path(cfg.out_dir, f"fail-{cfg.x}").exists():
-        raise ValueError(f"x={cfg.x} was told to fail")
-    time.sleep(cfg.sleep_s)
-    return int(cfg.x) * 10
-
-
-if __name__ == "__main__":
-    main()
-"""
-CONFIG = """
-defaults:
-  - _self_
-  - override hydra/launcher: {launcher}
-x: 0
-sleep_s: 0
-label: ${{x}}-from-yaml
-out_dir: {out_dir}
-hydra:
-  sweep:
-    dir: {sweep_dir}
-"""
-
-
 def write_app(tmp_path: Path, launcher: str = "switchyard_local") -> Path:
-    (tmp_path / "out").mkdir(exist_ok=True)
-    (tmp_path / "app.py").write_text(APP)
-    (tmp_path / "config.yaml").write_text(CONFIG.format(launcher=launcher, out_dir=tmp_path / "out",
-                                                        sweep_dir=tmp_path / "multirun"))
-    return tmp_path / "app.py"
+    return sweep_probe.write_app(tmp_path, launcher=launcher, label="${x}-from-yaml")
 
 
 def env_for(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    return sweep_probe.registry_env(tmp_path)
 
 
 def run_app(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:

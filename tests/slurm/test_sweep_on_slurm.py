@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sweep_probe
 
 from orchestrator import slurm_query
 
@@ -19,55 +20,16 @@ pytestmark = pytest.mark.slurm
 
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")
-APP = """
-import os
-import time
-from pathlib import Path
-
-import hydra
-from omegaconf import DictConfig
-
-
-@hydra.main(version_base="1.3", config_path=".", config_name="config")
-def main(cfg: DictConfig) -> int:
-    Path(cfg.out_dir, f"ran-{cfg.x}-{os.getpid()}").write_text(str(cfg.label))
-    if Path(cfg.out_dir, f"fail-{cfg.x}").exists():
-        raise ValueError(f"x={cfg.x} was told to fail")
-    time.sleep(cfg.sleep_s)
-    return int(cfg.x) * 10
-
-
-if __name__ == "__main__":
-    main()
-"""
-CONFIG = """
-defaults:
-  - _self_
-  - override hydra/launcher: switchyard_slurm
-x: 0
-sleep_s: 0
-label: {label}
-out_dir: {out_dir}
-hydra:
-  launcher:
-    timeout_min: 2
-    job_name: {job_name}
-  sweep:
-    dir: {sweep_dir}
-"""
 TRAIN_SMALL = ["optim.max_steps=20", "data.demo_num_samples=256", "data.batch_size=16", "log_every_steps=5"]
 
 
 def write_app(tmp_path: Path, label: str = "from-yaml") -> None:
-    (tmp_path / "out").mkdir(exist_ok=True)
-    (tmp_path / "app.py").write_text(APP)
-    (tmp_path / "config.yaml").write_text(CONFIG.format(
-        label=label, out_dir=tmp_path / "out", sweep_dir=tmp_path / "multirun",
-        job_name=f"sy-{tmp_path.name}"[:40]))
+    sweep_probe.write_app(tmp_path, launcher="switchyard_slurm", label=label,
+                          launcher_settings={"timeout_min": 2, "job_name": f"sy-{tmp_path.name}"[:40]})
 
 
 def env_for(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    return sweep_probe.registry_env(tmp_path)
 
 
 def run(tmp_path: Path, *cmd: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
