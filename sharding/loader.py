@@ -39,10 +39,9 @@ entries with the same padding flags, and far less padding (``LengthGroupedBatchS
 from __future__ import annotations
 
 import math
+import multiprocessing.context
 import os
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -50,6 +49,15 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
 
+from sharding.batch_memory import (
+    BatchLayout,
+    BatchRing,
+    BufferPool,
+    batch_layout,
+    numpy_views,
+    shared_block,
+    tensor_views,
+)
 from sharding.collate import length_grouped_batches
 from sharding.format import DatasetError
 from sharding.partition import Partition, Segment, remaining_partition
@@ -70,9 +78,10 @@ def pass_batch(batch: Batch) -> Batch:
 
 class _Field(NamedTuple):
     name: str
-    dtype: torch.dtype
+    np_dtype: np.dtype[Any]
     shape: tuple[int, ...] | None  # per-sample shape of a stacked field; None: padded
     trailing: tuple[int, ...]
+    row_bytes: int  # bytes of one row (a scalar field: the item)
 
 
 class RankDataset(Dataset[Batch]):
@@ -97,16 +106,21 @@ class RankDataset(Dataset[Batch]):
         self.pad_value = pad_value
         _check_fields(self.dataset, self.fixed)
         self._fields = tuple(_field(self.dataset, name, self.fixed) for name in self.dataset.schema)
-        self._pools = {f.name: BufferPool() for f in self._fields}
+        self._zero_pad = {f.name: _pad_is_zero(f, pad_value) for f in self._fields if f.shape is None}
+        self._pool = BufferPool()  # in-process batch memory
+        self._rings: list[BatchRing] | None = None  # one per worker, set while workers start
 
     def __getstate__(self) -> dict[str, Any]:
+        """No buffers (they belong to one process); the rings only to a worker being started."""
         state = self.__dict__.copy()
-        del state["_pools"]  # buffers belong to one process
+        del state["_pool"]
+        if multiprocessing.context.get_spawning_popen() is None:  # not a worker being spawned
+            state["_rings"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pools = {f.name: BufferPool() for f in self._fields}
+        self._pool = BufferPool()
 
     @property
     def padded_fields(self) -> tuple[str, ...]:
@@ -127,79 +141,101 @@ class RankDataset(Dataset[Batch]):
         if not len(values):
             raise DatasetError("RankDataset got an empty batch: there is nothing to read")
         indices, is_pad = decode_array(values)  # int64 [B], bool [B]
-        shared = get_worker_info() is not None  # in a worker: build the batch in shared memory
-        lengths = {name: self.dataset.leading_sizes(name, indices) for name in self.padded_fields}
-        data = {f.name: self._allocate(f, len(indices), lengths, shared) for f in self._fields}
-        self._copy_samples(indices.tolist(), data)
-        # The small tensors, in numpy first: index, is_pad, then per padded field lengths, mask.
-        small = [indices, is_pad]
-        for name in self.padded_fields:
-            max_len = data[name].shape[1]
-            small += [lengths[name], np.arange(max_len)[None, :] < lengths[name][:, None]]  # [B, L]
-        index, pad_flags, *per_field = _small_tensors(small, shared)
-        batch: Batch = {}  # collate_padded's key order
+        spans = {f.name: self.dataset.spans(f.name, indices) for f in self._fields}
+        layout = self._layout(len(indices), {f.name: int(spans[f.name][2].max())
+                                             for f in self._fields if f.shape is None})
+        worker = get_worker_info()
+        if worker is None:  # in-process: reused buffers
+            block = self._pool.empty((layout.nbytes,), torch.uint8)
+            self._fill(block.numpy(), layout, spans, indices, is_pad)
+            return tensor_views(block, layout)
+        ring = self._rings[worker.id] if self._rings else None
+        slot = ring.claim(layout.nbytes) if ring is not None else None
+        if ring is not None and slot is not None:  # this worker's ring: nothing new to map or send
+            self._fill(ring.slot(slot, layout.nbytes), layout, spans, indices, is_pad)
+            return ring.batch(slot, layout)
+        block = shared_block(layout.nbytes)  # every slot still in use: fresh shared memory
+        self._fill(block.numpy(), layout, spans, indices, is_pad)
+        return tensor_views(block, layout)
+
+    def batch_bytes(self, batch_size: int) -> int:
+        """Bytes of the largest batch of ``batch_size`` entries: every field at its longest."""
+        stats = self.dataset.field_stats
+        return self._layout(batch_size, {name: stats[name].max_leading for name in self.padded_fields}).nbytes
+
+    def _layout(self, num: int, max_lengths: dict[str, int]) -> BatchLayout:
+        """Keys in collate_padded's order: per field its data (then _lengths and _mask when
+        padded), then index and is_pad."""
+        specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
         for f in self._fields:
-            batch[f.name] = data[f.name]
-            if f.shape is None:
-                k = 2 * self.padded_fields.index(f.name)
-                batch[f"{f.name}_lengths"], batch[f"{f.name}_mask"] = per_field[k], per_field[k + 1]
-        batch["index"], batch["is_pad"] = index, pad_flags
-        return batch
-
-    def _allocate(
-        self, field: _Field, num: int, lengths: dict[str, np.ndarray], shared: bool
-    ) -> torch.Tensor:
-        """Uninitialized ``[B, max_len, *trailing]`` (padded) or ``[B, *shape]`` (stacked)."""
-        if field.shape is None:
-            shape = (num, int(lengths[field.name].max()), *field.trailing)
-        else:
-            shape = (num, *field.shape)
-        if shared:  # a worker's batch leaves the process: fresh shared memory
-            return _shared_empty(shape, field.dtype)
-        return self._pools[field.name].empty(shape, field.dtype)  # in-process: reused memory
-
-    def _copy_samples(self, indices: list[int], data: dict[str, torch.Tensor]) -> None:
-        """Copy every sample's fields from the map into row b of its field's batch tensor.
-
-        One ``sample()`` per sample (views of all fields from one lookup), then one tight loop
-        per field: measured faster than one ``read_into`` per field and sample, which locates
-        the sample and checks the buffer each time (here the buffers fit by construction).
-        """
-        sample_of, pad_value = self.dataset.sample, self.pad_value
-        samples = [sample_of(i) for i in indices]  # {field: view into the map} per sample
-        for f in self._fields:
-            out, name = data[f.name].numpy(), f.name
             if f.shape is not None:
-                np.stack([sample[name] for sample in samples], out=out)  # [B, *shape]
+                specs.append((f.name, f.np_dtype, (num, *f.shape)))
                 continue
-            max_len = out.shape[1]
-            for row, sample in zip(out, samples, strict=True):  # row: [max_len, *trailing]
-                view = sample[name]
-                num_rows = len(view)
-                row[:num_rows] = view  # the one copy out of the memory map
-                if num_rows < max_len:
-                    row[num_rows:] = pad_value  # only the padding: batches are not zeroed
+            max_len = max_lengths[f.name]
+            specs += [(f.name, f.np_dtype, (num, max_len, *f.trailing)),
+                      (f"{f.name}_lengths", _INT64, (num,)), (f"{f.name}_mask", _BOOL, (num, max_len))]
+        return batch_layout([*specs, ("index", _INT64, (num,)), ("is_pad", _BOOL, (num,))])
+
+    def _fill(self, block: np.ndarray, layout: BatchLayout,
+              spans: dict[str, tuple[list[np.ndarray], np.ndarray, np.ndarray]],
+              indices: np.ndarray, is_pad: np.ndarray) -> None:
+        """Copy every sample's fields from the map into its row of the batch, ``block`` (uint8).
+
+        One byte copy per sample and field, from the span the reader located for it
+        (``ShardedDataset.spans``, vectorized per batch), straight to its offset in the block:
+        no view or dict per sample. Only padding is written besides: a memset when the pad
+        value is zero bytes. Blocks are reused, never zeroed as a whole.
+        """
+        arrays = numpy_views(block, layout)
+        offsets = {part.key: part.offset for part in layout.parts}
+        for f in self._fields:
+            sources, starts, leading = spans[f.name]
+            data = arrays[f.name]
+            stride = data[0].nbytes  # bytes per sample in the batch: max_len rows, or the shape
+            zero_pad = self._zero_pad.get(f.name, True)  # stacked fields have no padding
+            at = offsets[f.name]
+            for source, start, num_bytes in zip(sources, starts.tolist(), (leading * f.row_bytes).tolist(),
+                                                strict=True):
+                block[at : at + num_bytes] = source[start : start + num_bytes]  # the one copy
+                if num_bytes < stride and zero_pad:
+                    block[at + num_bytes : at + stride] = 0
+                at += stride
+            if f.shape is not None:
+                continue
+            max_len = data.shape[1]
+            if not zero_pad:
+                for row, num_rows in zip(data, leading.tolist(), strict=True):
+                    row[num_rows:] = self.pad_value
+            arrays[f"{f.name}_lengths"][...] = leading
+            np.less(np.arange(max_len), leading[:, None], out=arrays[f"{f.name}_mask"])
+        arrays["index"][...] = indices
+        arrays["is_pad"][...] = is_pad
 
 
-def _small_tensors(arrays: list[np.ndarray], shared: bool) -> list[torch.Tensor]:
-    """The arrays as tensors: zero-copy in-process; in a worker, copied into one shared block
-    (one shared-memory handle per batch for all of them, not one each)."""
-    if not shared:
-        return [torch.from_numpy(a) for a in arrays]
-    tensors = _carve([(a.shape, torch.from_numpy(a).dtype) for a in arrays], shared=True)
-    for tensor, array in zip(tensors, arrays, strict=True):
-        tensor.numpy()[...] = array
-    return tensors
+def _pad_is_zero(field: _Field, pad_value: float) -> bool:
+    """Whether ``pad_value`` is all zero bytes in the field's dtype (padding is then a memset);
+    fails here, not mid-epoch, when the field cannot hold it."""
+    try:
+        pad = np.array(pad_value, field.np_dtype)
+    except (OverflowError, ValueError) as e:
+        raise DatasetError(f"pad_value={pad_value!r} does not fit field {field.name!r} "
+                           f"({field.np_dtype}): choose a pad value that dtype can hold") from e
+    return not pad.tobytes().strip(b"\0")
+
+
+_INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 
 
 def _field(dataset: ShardedDataset, name: str, fixed: frozenset[str]) -> _Field:
     spec = dataset.schema[name]
-    dtype = torch.from_numpy(np.empty(0, spec.np_dtype)).dtype
+    dtype = np.dtype(spec.np_dtype)
+    row_bytes = math.prod(spec.trailing) * dtype.itemsize
     if spec.is_scalar:
-        return _Field(name, dtype, (), ())
+        return _Field(name, dtype, (), (), row_bytes)
     if name in fixed:
-        return _Field(name, dtype, (dataset.field_stats[name].min_leading, *spec.trailing), spec.trailing)
-    return _Field(name, dtype, None, spec.trailing)
+        shape = (dataset.field_stats[name].min_leading, *spec.trailing)
+        return _Field(name, dtype, shape, spec.trailing, row_bytes)
+    return _Field(name, dtype, None, spec.trailing, row_bytes)
 
 
 def _check_fields(dataset: ShardedDataset, fixed: frozenset[str]) -> None:
@@ -220,85 +256,6 @@ def _check_fields(dataset: ShardedDataset, fixed: frozenset[str]) -> None:
         raise DatasetError(f"batch keys {clashes} would be produced twice (fields of {dataset.root} "
                            f"are {', '.join(schema)}; batches add <field>_lengths, <field>_mask, "
                            f"index and is_pad): rename the field when preparing the data")
-
-
-def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor in shared memory, for a batch built in a worker.
-
-    Allocated in shared memory from the start, as default_collate does in workers: a batch in
-    ordinary memory would be copied into shared memory when the worker sends it.
-    """
-    if math.prod(shape) == 0:
-        return torch.empty(shape, dtype=dtype)
-    return _carve([(shape, dtype)], shared=True)[0]
-
-
-class BufferPool:
-    """Hands out uninitialized tensors over a few reused buffers: batch memory that stays mapped.
-
-    Why: a fresh multi-MB batch tensor often lands on pages the allocator just gave back to the
-    kernel (glibc trims the top of its heap on free), so filling it page-faults on every 4 KiB
-    page and the kernel zeroes each one first: measured here ~270 faults per 64-sample batch,
-    half the batch time. A buffer is reused only once no tensor uses it any more: the tensor's
-    storage holds the numpy view it was made from, and the pool watches that view through a
-    weak reference. Views of the tensor keep it alive, so reuse is never premature. When all
-    ``max_buffers`` are still in use (a caller keeping batches), it allocates as torch does.
-    """
-
-    def __init__(self, max_buffers: int = 4) -> None:
-        self.max_buffers = max_buffers
-        self._buffers: list[np.ndarray] = []  # uint8 [capacity] each
-        self._users: list[weakref.ref[np.ndarray] | None] = []  # the view last handed out
-        self._lock = threading.Lock()  # a claim is a check and a set: one thread at a time
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-        num_bytes = math.prod(shape) * np_dtype.itemsize
-        with self._lock:
-            slot = self._free_slot(num_bytes)
-            if slot is None:
-                return torch.empty(shape, dtype=dtype)
-            view = self._buffers[slot][:num_bytes].view(np_dtype).reshape(shape)
-            self._users[slot] = weakref.ref(view)
-        return torch.from_numpy(view)
-
-    def _free_slot(self, num_bytes: int) -> int | None:
-        free = [k for k, user in enumerate(self._users) if user is None or user() is None]
-        for k in free:
-            if self._buffers[k].nbytes >= num_bytes:
-                return k
-        if len(self._buffers) < self.max_buffers:
-            self._buffers.append(np.empty(0, np.uint8))
-            self._users.append(None)
-            free.append(len(self._buffers) - 1)
-        if not free:
-            return None
-        self._buffers[free[0]] = np.empty(num_bytes, np.uint8)  # grow: batches vary in length
-        return free[0]
-
-
-def _carve(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], shared: bool) -> list[torch.Tensor]:
-    """Uninitialized tensors of these shapes and dtypes, views into one new block of memory.
-
-    Sending a worker's batch costs a file descriptor and a map per shared block (measured:
-    about 0.7 ms per block with 2 workers), so the small tensors of a batch share one.
-    """
-    itemsizes = [dtype.itemsize for _, dtype in specs]
-    starts, num_bytes = [], 0
-    for (shape, _), itemsize in zip(specs, itemsizes, strict=True):
-        num_bytes = -(-num_bytes // itemsize) * itemsize  # aligned for the dtype
-        starts.append(num_bytes // itemsize)  # in elements of the dtype
-        num_bytes += math.prod(shape) * itemsize
-    size = max(num_bytes, 1)
-    storage = torch.UntypedStorage._new_shared(size) if shared else torch.UntypedStorage(size)
-    return [
-        torch.empty(0, dtype=dtype).set_(storage, start, shape, _contiguous_strides(shape))
-        for (shape, dtype), start in zip(specs, starts, strict=True)
-    ]
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
 
 
 class LengthGroupedBatchSampler(Sampler[list[int]]):
@@ -394,6 +351,41 @@ def _check_sampler_fits(dataset: ShardedDataset, sampler: ShardedSampler) -> Non
         )
 
 
+class ShardedLoader(DataLoader[Batch]):
+    """The DataLoader ``make_loader`` returns: a plain DataLoader that gives each worker a
+    ``BatchRing`` of ``ring_slots`` reusable batch slots in shared memory.
+
+    The rings are made each time workers start (the first epoch with persistent workers, every
+    epoch without), handed to the workers through the dataset while they start, and kept by the
+    iterator: the main process needs them to turn a worker's (ring, slot, layout) back into
+    tensors. A slot holds the largest batch possible (every padded field at its longest), so
+    any batch fits; only the pages batches touch take memory.
+    """
+
+    def __init__(self, dataset: RankDataset, *args: Any, ring_slots: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.ring_slots = ring_slots
+
+    def _get_iterator(self) -> Any:
+        dataset = cast(RankDataset, self.dataset)
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        slots = (self.prefetch_factor or 2) + 2 if self.ring_slots is None else self.ring_slots
+        batch_size = getattr(self.batch_sampler, "batch_size", None)
+        if not slots or batch_size is None:
+            return super()._get_iterator()
+        rings = [BatchRing(dataset.batch_bytes(batch_size), slots) for _ in range(self.num_workers)]
+        dataset._rings = rings  # workers get theirs by worker id: inherited (fork) or pickled (spawn)
+        try:
+            iterator = super()._get_iterator()
+        finally:
+            dataset._rings = None  # the main process's dataset does not need them
+        # Kept alive as long as batches can arrive from these workers.
+        iterator._switchyard_rings = rings  # type: ignore[attr-defined]
+        return iterator
+
+
 def make_loader(
     source: str | os.PathLike[str] | ShardedDataset | RankDataset,
     sampler: ShardedSampler,
@@ -407,7 +399,8 @@ def make_loader(
     group_by_length: bool = False,
     length_field: str | None = None,
     multiprocessing_context: str | None = None,
-) -> DataLoader[Batch]:
+    ring_slots: int | None = None,
+) -> ShardedLoader:
     """A DataLoader of padded batches of this rank's entries: RankDataset + a batch sampler
     over ``sampler`` + ``pass_batch``. ``len(loader)`` is the same on every rank.
 
@@ -415,8 +408,12 @@ def make_loader(
     between epochs (the sampler runs in the main process, so ``set_epoch`` still applies).
     ``group_by_length`` batches entries of similar ``length_field`` size (default: the first
     padded field); see LengthGroupedBatchSampler. Pass a RankDataset to choose ``fixed`` or
-    ``pad_value``.
+    ``pad_value``. ``ring_slots``: batch slots per worker in shared memory reused across
+    batches (default ``prefetch_factor + 2``; 0 builds every worker batch in fresh shared
+    memory, as torch does); see ShardedLoader.
     """
+    if ring_slots is not None and ring_slots < 0:
+        raise ValueError(f"ring_slots={ring_slots} is invalid: must be >= 0 (0 turns the rings off)")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
     dataset = source if isinstance(source, RankDataset) else RankDataset(source)
@@ -431,8 +428,9 @@ def make_loader(
                                                   drop_last=drop_last)
     else:
         batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-    return DataLoader(
+    return ShardedLoader(
         dataset,
+        ring_slots=ring_slots,
         batch_sampler=batch_sampler,
         # DataLoader's stub types collate_fn as taking a list; with __getitems__ it gets the batch.
         collate_fn=cast(Callable[[list[Any]], Any], pass_batch),

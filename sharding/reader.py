@@ -107,7 +107,8 @@ class _Field(NamedTuple):
 
     ``offsets``/``leading`` are memoryviews over the mapped index: indexing one yields a Python
     int (~50 ns), where a numpy scalar costs as much to index and doubles the cost of the
-    np.ndarray() call that builds the view. ``leading_array`` is the same memory as numpy.
+    np.ndarray() call that builds the view. ``offsets_array`` and ``leading_array`` are the
+    same memory as numpy, for vectorized lookups (``ShardedDataset.spans``).
     """
 
     name: str
@@ -116,11 +117,13 @@ class _Field(NamedTuple):
     offsets: memoryview  # int64 [num_samples]: byte offset of this field in the data file
     leading: memoryview | None  # int64 [num_samples]: leading sizes; None for a scalar field
     leading_array: np.ndarray | None
+    offsets_array: np.ndarray
 
 
 class _MappedShard(NamedTuple):
     data: mmap.mmap | bytearray
     fields: tuple[_Field, ...]
+    bytes: np.ndarray  # uint8 view of data, for copying spans
 
 
 # Maps opened by a parent must not be used by a forked child (a DataLoader worker): the at-fork
@@ -245,7 +248,7 @@ class ShardedDataset:
         mapped = self._mapped[shard] or self._map(shard)
         data = mapped.data
         out = {}
-        for name, dtype, trailing, offsets, leading, _ in mapped.fields:
+        for name, dtype, trailing, offsets, leading, _, _ in mapped.fields:
             shape = trailing if leading is None else (leading[local],) + trailing  # noqa: RUF005
             out[name] = np.ndarray(shape, dtype, data, offsets[local])
         return out
@@ -270,7 +273,7 @@ class ShardedDataset:
         local = i - self._starts[shard]
         mapped = self._mapped[shard] or self._map(shard)
         try:
-            _, dtype, trailing, offsets, leading, _ = mapped.fields[self._field_numbers[field]]
+            _, dtype, trailing, offsets, leading, _, _ = mapped.fields[self._field_numbers[field]]
         except KeyError as e:
             raise self._unknown_field(field) from e
         num_rows = 1 if leading is None else leading[local]
@@ -314,6 +317,33 @@ class ShardedDataset:
             raise IndexError(f"sample index {bad} is out of range for {self._length} samples")
         shards = np.searchsorted(self._ends_array, idx, side="right")
         return shards, idx - np.asarray(self._starts, dtype=np.int64)[shards]
+
+    def spans(self, field: str, indices: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Where ``field`` of each sample lies, for copying many samples without a view each.
+
+        Returns ``(sources, starts, leading)``: per sample the uint8 array over its shard's
+        data file, the byte offset of the field in it, and its leading size (1 for a scalar
+        field). The field's bytes are ``sources[k][starts[k] : starts[k] + leading[k] * row]``
+        where ``row`` is the byte size of one row (the trailing shape times the item size).
+        One vectorized lookup per shard involved, no per-sample Python beyond the list.
+        """
+        try:
+            number = self._field_numbers[field]
+        except KeyError as e:
+            raise self._unknown_field(field) from e
+        shards, local = self.locate(indices)
+        starts = np.empty(len(shards), np.int64)
+        leading = np.ones(len(shards), np.int64)
+        by_shard: dict[int, np.ndarray] = {}
+        for shard in np.unique(shards).tolist():
+            mapped = self._mapped[shard] or self._map(shard)
+            at = shards == shard
+            spec = mapped.fields[number]
+            starts[at] = spec.offsets_array[local[at]]
+            if spec.leading_array is not None:
+                leading[at] = spec.leading_array[local[at]]
+            by_shard[shard] = mapped.bytes
+        return [by_shard[shard] for shard in shards.tolist()], starts, leading
 
     # -- leading sizes -----------------------------------------------------------------------
 
@@ -424,9 +454,10 @@ def _map_shard(root: Path, shard: int, manifest: Manifest) -> _MappedShard:
                 _int_view(offsets),
                 None if leading is None else _int_view(leading),
                 leading,
+                offsets,
             )
         )
-    return _MappedShard(data, tuple(fields))
+    return _MappedShard(data, tuple(fields), np.frombuffer(data, np.uint8))
 
 
 def _int_view(array: np.ndarray) -> memoryview:
