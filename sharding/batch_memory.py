@@ -17,9 +17,11 @@ through torch's resource sharer, then mapped again). A ring slot costs neither a
 the worker sends three numbers (ring, slot, layout) and the main process already has the map.
 
 Safety of reuse: memory is handed out again only once no tensor of the batch it held is alive.
-Each batch's tensors are torch views of one tensor made by ``torch.from_numpy(view)``; their
-shared storage keeps ``view`` alive, so a weak reference to ``view`` (in-process pool) or a
-finalizer on it (ring slot) fires exactly when the last tensor, or view of one, is gone. A
+A batch's block is a new numpy array per batch (``np.frombuffer`` of a memoryview), so numpy
+makes it the ``.base`` of every array cut from it, and ``torch.from_numpy`` of those arrays
+keeps them, and so the block, alive, as do any views of the tensors. A weak reference to the
+block (in-process pool) or a finalizer on it (ring slot) fires exactly when the last tensor,
+or view of one, is gone. A
 caller that keeps batches is safe: the pool then allocates as torch does, the worker takes
 fresh shared memory. A ring slot's release travels to its worker through a pipe (a 2-byte
 write, atomic), so the worker sees it only after the main process has stopped reading the slot,
@@ -113,34 +115,34 @@ def shared_block(nbytes: int) -> torch.Tensor:
 
 
 class BufferPool:
-    """Hands out uninitialized tensors over a few reused buffers: batch memory that stays mapped.
+    """Hands out uint8 blocks over a few reused buffers: batch memory that stays mapped.
 
-    Why: a fresh multi-MB batch tensor often lands on pages the allocator just gave back to the
-    kernel (glibc trims the top of its heap on free), so filling it page-faults on every 4 KiB
-    page and the kernel zeroes each one first: measured here ~270 faults per 64-sample batch,
-    half the batch time. A buffer is reused only once no tensor uses it any more: the tensor's
-    storage holds the numpy view it was made from, and the pool watches that view through a
-    weak reference. Views of the tensor keep it alive, so reuse is never premature. When all
-    ``max_buffers`` are still in use (a caller keeping batches), it allocates as torch does.
-    Of the free buffers that fit, the one released last is reused: likeliest still in cache.
+    Why: a fresh multi-MB batch often lands on pages the allocator just gave back to the kernel
+    (glibc trims the top of its heap on free), so filling it page-faults on every 4 KiB page
+    and the kernel zeroes each one first: measured here ~270 faults per 64-sample batch, half
+    the batch time. Each ``block`` is a new array over a buffer (``np.frombuffer`` of a
+    memoryview, so numpy makes it the ``.base`` of every view cut from it, and the tensors
+    ``torch.from_numpy`` makes of those views keep it alive). The pool watches each block
+    through a weak reference and reuses its buffer only once the block, and so every tensor
+    and view of the batch, is gone. When all ``max_buffers`` are in use (a caller keeping
+    batches) it allocates a fresh block. Of the free buffers that fit, the lowest is reused.
     """
 
     def __init__(self, max_buffers: int = 4) -> None:
         self.max_buffers = max_buffers
         self._buffers: list[np.ndarray] = []  # uint8 [capacity] each
-        self._users: list[weakref.ref[np.ndarray] | None] = []  # the view last handed out
+        self._users: list[weakref.ref[np.ndarray] | None] = []  # the block last handed out
         self._lock = threading.Lock()  # a claim is a check and a set: one thread at a time
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-        num_bytes = math.prod(shape) * np_dtype.itemsize
+    def block(self, num_bytes: int) -> np.ndarray:
+        """uint8 [num_bytes], uninitialized; see the class docstring for when it is reused."""
         with self._lock:
             slot = self._free_slot(num_bytes)
             if slot is None:
-                return torch.empty(shape, dtype=dtype)
-            view = self._buffers[slot][:num_bytes].view(np_dtype).reshape(shape)
-            self._users[slot] = weakref.ref(view)
-        return torch.from_numpy(view)
+                return huge_page_buffer(num_bytes)
+            block = np.frombuffer(self._buffers[slot].data[:num_bytes], np.uint8)
+            self._users[slot] = weakref.ref(block)
+        return block
 
     def _free_slot(self, num_bytes: int) -> int | None:
         free = [k for k, user in enumerate(self._users) if user is None or user() is None]
@@ -155,6 +157,11 @@ class BufferPool:
             return None
         self._buffers[free[0]] = huge_page_buffer(num_bytes)  # grow: batches vary in length
         return free[0]
+
+
+def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """``torch.from_numpy`` of each array: zero-copy, and each tensor keeps its array alive."""
+    return {key: torch.from_numpy(array) for key, array in arrays.items()}
 
 
 HUGE_PAGE = 2 << 20
@@ -261,15 +268,14 @@ class BatchRing:
                 return
             self._free.extend(struct.unpack(f"<{len(data) // 2}H", data))
 
-    def batch(self, slot: int, layout: BatchLayout) -> RingBatch:
-        """The tensors of a batch filled in ``slot``, as a RingBatch for the main process."""
-        start = slot * self.slot_bytes
-        view = self.array()[start : start + layout.nbytes]
-        return RingBatch(tensor_views(torch.from_numpy(view), layout), (self.token, slot, layout))
+    def batch(self, slot: int, layout: BatchLayout, arrays: dict[str, np.ndarray]) -> RingBatch:
+        """The batch filled in ``slot`` (its ``arrays``), as a RingBatch for the main process."""
+        return RingBatch(as_tensors(arrays), (self.token, slot, layout))
 
     def slot(self, slot: int, nbytes: int) -> np.ndarray:
+        """uint8 [nbytes] at the start of ``slot``: a new array (the base of views cut from it)."""
         start = slot * self.slot_bytes
-        return self.array()[start : start + nbytes]
+        return np.frombuffer(self.array().data[start : start + nbytes], np.uint8)
 
     # -- main-process side --------------------------------------------------------------------
 
@@ -279,10 +285,10 @@ class BatchRing:
         if not 0 <= slot < self.num_slots or layout.nbytes > self.slot_bytes:
             raise DatasetError(f"a worker sent slot {slot} with {layout.nbytes} bytes, but its ring "
                                f"has {self.num_slots} slots of {self.slot_bytes} bytes: a bug to report")
-        view = self.slot(slot, layout.nbytes)
-        finalizer = weakref.finalize(view, self._release, slot)
+        block = self.slot(slot, layout.nbytes)
+        finalizer = weakref.finalize(block, self._release, slot)
         finalizer.atexit = False  # at exit the worker is gone: nothing to tell it
-        return tensor_views(torch.from_numpy(view), layout)
+        return as_tensors(numpy_views(block, layout))
 
     def _release(self, slot: int) -> None:
         writer = self._release_writer

@@ -53,6 +53,7 @@ from sharding.batch_memory import (
     BatchLayout,
     BatchRing,
     BufferPool,
+    as_tensors,
     batch_layout,
     numpy_views,
     shared_block,
@@ -146,17 +147,15 @@ class RankDataset(Dataset[Batch]):
                                              for f in self._fields if f.shape is None})
         worker = get_worker_info()
         if worker is None:  # in-process: reused buffers
-            block = self._pool.empty((layout.nbytes,), torch.uint8)
-            self._fill(block.numpy(), layout, spans, indices, is_pad)
-            return tensor_views(block, layout)
+            return as_tensors(self._fill(self._pool.block(layout.nbytes), layout, spans, indices, is_pad))
         ring = self._rings[worker.id] if self._rings else None
         slot = ring.claim(layout.nbytes) if ring is not None else None
         if ring is not None and slot is not None:  # this worker's ring: nothing new to map or send
-            self._fill(ring.slot(slot, layout.nbytes), layout, spans, indices, is_pad)
-            return ring.batch(slot, layout)
-        block = shared_block(layout.nbytes)  # every slot still in use: fresh shared memory
-        self._fill(block.numpy(), layout, spans, indices, is_pad)
-        return tensor_views(block, layout)
+            arrays = self._fill(ring.slot(slot, layout.nbytes), layout, spans, indices, is_pad)
+            return ring.batch(slot, layout, arrays)
+        shared = shared_block(layout.nbytes)  # every slot still in use: fresh shared memory
+        self._fill(shared.numpy(), layout, spans, indices, is_pad)
+        return tensor_views(shared, layout)  # views of the shared storage: torch sends its handle
 
     def batch_bytes(self, batch_size: int) -> int:
         """Bytes of the largest batch of ``batch_size`` entries: every field at its longest."""
@@ -178,8 +177,9 @@ class RankDataset(Dataset[Batch]):
 
     def _fill(self, block: np.ndarray, layout: BatchLayout,
               spans: dict[str, tuple[list[np.ndarray], np.ndarray, np.ndarray]],
-              indices: np.ndarray, is_pad: np.ndarray) -> None:
-        """Copy every sample's fields from the map into its row of the batch, ``block`` (uint8).
+              indices: np.ndarray, is_pad: np.ndarray) -> dict[str, np.ndarray]:
+        """Copy every sample's fields from the map into its row of the batch, ``block`` (uint8);
+        -> the batch's arrays over ``block``.
 
         One byte copy per sample and field, from the span the reader located for it
         (``ShardedDataset.spans``, vectorized per batch), straight to its offset in the block:
@@ -210,6 +210,7 @@ class RankDataset(Dataset[Batch]):
             np.less(np.arange(max_len), leading[:, None], out=arrays[f"{f.name}_mask"])
         arrays["index"][...] = indices
         arrays["is_pad"][...] = is_pad
+        return arrays
 
 
 def _pad_is_zero(field: _Field, pad_value: float) -> bool:

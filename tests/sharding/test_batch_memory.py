@@ -144,8 +144,9 @@ def test_claim_release_in_one_process() -> None:
     first, second = ring.claim(layout.nbytes), ring.claim(layout.nbytes)
     assert (first, second) == (0, 1) and ring.claim(layout.nbytes) is None
     assert ring.claim(4097) is None  # never a batch bigger than a slot
-    numpy_views(ring.slot(first, layout.nbytes), layout)["a"][:] = [1, 2, 3]
-    received = pickle.loads(pickle.dumps(ring.batch(first, layout)))  # as the main process does
+    arrays = numpy_views(ring.slot(first, layout.nbytes), layout)
+    arrays["a"][:] = [1, 2, 3]
+    received = pickle.loads(pickle.dumps(ring.batch(first, layout, arrays)))  # as the main process
     assert type(received) is dict and received["a"].tolist() == [1, 2, 3]
     view = received["a"][1:]
     del received

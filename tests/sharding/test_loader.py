@@ -118,15 +118,17 @@ def test_batches_reuse_memory_only_once_released(varied_path: Path) -> None:
 
 def test_buffer_pool_falls_back_when_every_buffer_is_held() -> None:
     pool = BufferPool(max_buffers=2)
-    held = [pool.empty((4, 5), torch.float32) for _ in range(3)]
+    held = [torch.from_numpy(pool.block(80)[16:].view(np.float32)) for _ in range(3)]  # views
     assert len({t.data_ptr() for t in held}) == 3
-    for t in held:
-        t.fill_(1)
-    bigger = pool.empty((100,), torch.int64)  # none free: a fresh tensor, the pool unchanged
-    assert bigger.shape == (100,) and bigger.dtype == torch.int64
+    for k, t in enumerate(held):
+        t.fill_(k)
+    assert [t.tolist() for t in held] == [[k] * 16 for k in range(3)]  # none overwritten
+    bigger = pool.block(800)  # none free: a fresh block, the pool unchanged
+    assert bigger.shape == (800,) and bigger.dtype == np.uint8
+    reused = held[0].data_ptr() - 16
     del held
-    again = pool.empty((1000,), torch.float64)  # a free buffer grows to fit
-    assert again.shape == (1000,)
+    assert pool.block(80).ctypes.data == reused  # released: the first buffer again
+    assert pool.block(8000).nbytes == 8000  # a free buffer grows to fit
 
 
 def test_rank_dataset_pickles_without_buffers_and_reads_the_same(varied_path: Path) -> None:
