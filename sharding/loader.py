@@ -10,14 +10,16 @@
 
 How a batch is built. The DataLoader draws one list of sampler values per batch (a batch
 sampler over the ShardedSampler) and, because ``RankDataset`` defines ``__getitems__``, hands
-the whole list to it in one call. ``__getitems__`` looks up the batch's leading sizes in one
-vectorized call, allocates one ``[B, max_len, *trailing]`` tensor per variable field and copies
-each sample from the memory map straight into its row: one copy per byte, no per-sample tensors,
-no re-collation. The DataLoader still passes the finished batch to ``collate_fn``: ``pass_batch``
-(an identity) is the one to use, and the one ``make_loader`` installs. With workers the batch is
-built in the worker, directly in shared memory, so sending it to the main process copies nothing.
-Without workers, batch memory comes from a few reused buffers (``BufferPool``): a buffer is
-reused only once no tensor of its batch is alive, so keeping a batch is always safe.
+the whole list to it in one call. ``__getitems__`` asks the reader where every sample's fields
+lie (``ShardedDataset.spans``: one vectorized lookup per shard), lays the batch out in one block
+of bytes (``batch_memory.BatchLayout``: each variable field ``[B, max_len, *trailing]``, its
+lengths and mask, the stacked fields, index, is_pad) and copies each sample's bytes from the
+memory map straight to its row: one copy per byte, no per-sample views or tensors, no
+re-collation; only padding rows are written besides. The DataLoader still passes the finished
+batch to ``collate_fn``: ``pass_batch`` (an identity) is the one to use, and the one
+``make_loader`` installs. Where the block comes from (a reused in-process buffer, a worker's
+shared-memory ring slot, or fresh shared memory) is ``sharding.batch_memory``'s business;
+keeping a batch is always safe.
 
 A batch is a plain ``dict[str, torch.Tensor]``: the keys ``collate_padded`` gives, plus two
 per-entry fields from the sampler. The per-sample path,

@@ -112,6 +112,25 @@ def test_locate_is_the_vectorized_index_map(dataset_path):
         ds.locate(np.array([0, len(ds)]))
 
 
+def test_spans_locate_each_samples_bytes(dataset_path, mixed_samples):
+    """What the batched loader copies from: the bytes of each sample's field, in any shard."""
+    ds = open_dataset(dataset_path)
+    some = np.array([59, 0, 31, 31, 7, 58, 1])  # sample 1 has 0 rows
+    assert len(set(ds.locate(some)[0].tolist())) > 2  # several shards in one call
+    for name in mixed_samples[0]:
+        sources, starts, leading = ds.spans(name, some)
+        for k, i in enumerate(some.tolist()):
+            want = np.ascontiguousarray(mixed_samples[i][name])
+            row = want.nbytes // max(len(want), 1) if want.ndim else want.nbytes
+            assert leading[k] == (len(want) if want.ndim else 1)
+            got = sources[k][starts[k] : starts[k] + leading[k] * row]
+            assert got.tobytes() == want.astype(want.dtype.newbyteorder("<")).tobytes(), (name, i)
+    with pytest.raises(DatasetError, match="'nope' is not in the dataset"):
+        ds.spans("nope", some)
+    with pytest.raises(IndexError, match="out of range"):
+        ds.spans("x", np.array([len(ds)]))
+
+
 def test_leading_sizes_for_all_and_for_some(dataset_path, mixed_samples):
     ds = open_dataset(dataset_path)
     expected = np.array([len(s["x"]) for s in mixed_samples])
