@@ -13,7 +13,10 @@ What it measures (docs/performance.md, "Data layer", holds the tables and how to
 3. End to end through torch's DataLoader, batches of 64 padded samples, 0 and 2 workers: the
    batched path (``sharding.make_loader``) vs ``torch.load(mmap=True)`` + a per-sample Dataset
    + a padding collate (``pad_sequence``). Each batch is touched (one float per 4 KiB page of
-   ``x``) so batches built lazily in shared memory are really received.
+   ``x``) so batches built lazily in shared memory are really received. Beside samples/s, the
+   least memory traffic each pipeline needs (samples read once + padded ``x`` written) in GB/s
+   and as a fraction of the machine's copy ceiling, measured in the same run
+   (``copy_bandwidth``: numpy copies on every core).
 
 The data: float32 samples of 16..512 rows (uniform) x 64 columns, ``--size-gb`` in all (1 GB:
 14,796 samples), seed fixed, written once per format under ``--cache-dir`` and reused.
