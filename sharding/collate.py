@@ -111,7 +111,9 @@ def length_grouped_batches(
     then the order of the batches is shuffled. Sorting within groups rather than globally keeps
     randomness in which samples meet, and the final shuffle keeps long batches from all arriving
     at the end. Returns ``ceil(n / batch_size)`` batches (``floor`` with ``drop_last``): exactly
-    as many as plain batching, and only the last batch before the shuffle can be short.
+    as many as plain batching. The one short batch, if any, stays last, as in plain batching: so
+    after k batches every rank with as many entries has consumed as many, and one sampler state
+    fits all ranks.
     """
     idx = np.asarray(indices)
     lens = np.asarray(lengths)
@@ -138,9 +140,9 @@ def length_grouped_batches(
         else perm
     )
     batches = [idx[ordered[s : s + batch_size]] for s in range(0, len(ordered), batch_size)]
-    if drop_last and batches and len(batches[-1]) < batch_size:
-        batches.pop()
-    return [batches[b] for b in rng.permutation(len(batches))]
+    short = batches.pop() if batches and len(batches[-1]) < batch_size else None
+    shuffled = [batches[b] for b in rng.permutation(len(batches))]
+    return shuffled if short is None or drop_last else [*shuffled, short]
 
 
 def padding_fraction(batches: Sequence[np.ndarray], lengths: np.ndarray) -> float:

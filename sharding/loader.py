@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 import multiprocessing.context
 import os
-import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -63,7 +62,7 @@ from sharding.batch_memory import (
 )
 from sharding.collate import length_grouped_batches
 from sharding.format import DatasetError
-from sharding.partition import Partition, Segment, remaining_partition
+from sharding.partition import Partition
 from sharding.reader import ShardedDataset, open_dataset
 from sharding.sampler import ShardedSampler, decode, decode_array, encode_array, shard_counts_digest
 
@@ -265,15 +264,16 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
     """Batches of this rank's sampler values with similar lengths of ``field``.
 
     The same entries as ``BatchSampler(sampler, batch_size, drop_last)``, padding flags kept,
-    in ``length_grouped_batches`` order (seeded by the sampler's seed, epoch and rank); the
-    same number of batches, so ranks still step in lockstep.
+    in ``length_grouped_batches`` order (seeded by the sampler's seed, epoch, segment, world
+    size and rank); the same number of batches, the short one last, so ranks still step in
+    lockstep and consume equal numbers of entries.
 
-    Resume: ``sampler.advance(n)`` counts entries, and the grouping of an epoch is a pure
-    function of the sampler's state, so a resume at the same world size continues exactly.
-    After a resume at another world size the sampler rebuilds what was consumed assuming
-    its own visiting order, which grouped batches did not follow: for the rest of that epoch
-    some samples may repeat and others be skipped (a warning says so); exact again from the
-    next epoch on.
+    Resume: ``sampler.advance(n)`` counts entries, and the grouping of a stretch of an epoch is
+    a pure function of the sampler's state, so a resume at the same world size continues
+    exactly. The grouping is registered with the sampler as its visit order
+    (``ShardedSampler.set_visit_order``), so a resume at another world size rebuilds what each
+    past rank consumed in grouped order: every remaining sample of the epoch still comes once.
+    The sampler's state names the grouping; resuming it with another one is refused.
     """
 
     def __init__(
@@ -293,6 +293,13 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         _check_sampler_fits(dataset, sampler)
         self.sampler, self.dataset, self.field = sampler, dataset, field
         self.batch_size, self.drop_last, self.batches_per_group = batch_size, drop_last, batches_per_group
+        sampler.set_visit_order(self.visit_order, self.order_name)
+
+    @property
+    def order_name(self) -> str:
+        """What the sampler's state records: everything the grouped order depends on."""
+        return (f"length-grouped(field={self.field}, batch_size={self.batch_size}, "
+                f"batches_per_group={self.batches_per_group}, drop_last={self.drop_last})")
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -300,48 +307,29 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         return -(-len(self.sampler) // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        segment, segment_number, start = self._current_segment()
-        values = encode_array(segment)  # int64 [n], ~index for padding
-        lengths = self.dataset.leading_sizes(self.field, segment.indices)  # int64 [n]
+        segment, number, start = self.sampler.segment
         sampler = self.sampler
-        seed = np.random.SeedSequence(
-            [sampler.seed, sampler.epoch, segment_number, sampler.world_size, sampler.rank]
-        ).generate_state(1)[0]
-        batches = length_grouped_batches(values, lengths, self.batch_size, int(seed),
-                                         batches_per_group=self.batches_per_group,
-                                         drop_last=self.drop_last)
         position = 0  # entries of the segment before this batch, in grouped order
-        for batch in batches:
+        for batch in self._grouped(segment, sampler.epoch, number, sampler.world_size, sampler.rank):
             if position + len(batch) > start:
                 yield batch[max(start - position, 0):].tolist()
             position += len(batch)
 
-    def _current_segment(self) -> tuple[Partition, int, int]:
-        """(all entries of the sampler's current stretch of the epoch, its number, entries
-        of it already consumed), from the sampler's public state."""
-        sampler = self.sampler
-        segments = [Segment(int(w), int(c)) for w, c in sampler.state_dict()["segments"]]
-        segment = remaining_partition(
-            self.dataset.shard_counts, segments=segments[:-1], world_size=sampler.world_size,
-            rank=sampler.rank, epoch=sampler.epoch, seed=sampler.seed, policy=sampler.policy,
-            shuffle=sampler.shuffle,
-        )
-        start = len(segment) - len(sampler)
-        tail = segment.tail(start)
-        left = sampler.partition
-        if not (np.array_equal(tail.indices, left.indices) and np.array_equal(tail.is_pad, left.is_pad)):
-            raise DatasetError("LengthGroupedBatchSampler could not rebuild the sampler's epoch from "
-                               "its state: ShardedSampler changed how it computes it; regroup "
-                               "its partition instead (a bug to report, not a data problem)")
-        if any(consumed for _, consumed in segments[:-1]):
-            warnings.warn(
-                f"group_by_length: epoch {sampler.epoch} resumed at world_size={sampler.world_size} "
-                f"after running at {[w for w, _ in segments[:-1]]}; the sampler rebuilt what was "
-                "consumed in its own visiting order, which grouped batches did not follow, so some "
-                "samples may repeat or be skipped until the epoch ends",
-                stacklevel=2,
-            )
-        return segment, len(segments) - 1, start
+    def visit_order(self, part: Partition, epoch: int, segment: int, world_size: int,
+                    rank: int) -> Partition:
+        """``part``'s entries in the order this batch sampler yields them (partition.VisitOrder)."""
+        batches = self._grouped(part, epoch, segment, world_size, rank)
+        indices, is_pad = decode_array(np.concatenate(batches) if batches else np.zeros(0, np.int64))
+        return Partition(indices, is_pad)
+
+    def _grouped(self, part: Partition, epoch: int, segment: int, world_size: int,
+                 rank: int) -> list[np.ndarray]:
+        """``part`` as batches of encoded sampler values, grouped by length."""
+        lengths = self.dataset.leading_sizes(self.field, part.indices)  # int64 [n]
+        key = [self.sampler.seed, epoch, segment, world_size, rank]
+        seed = np.random.SeedSequence(key).generate_state(1)[0]
+        return length_grouped_batches(encode_array(part), lengths, self.batch_size, int(seed),
+                                      batches_per_group=self.batches_per_group, drop_last=self.drop_last)
 
 
 def _check_sampler_fits(dataset: ShardedDataset, sampler: ShardedSampler) -> None:

@@ -22,6 +22,8 @@ Why the epoch order does not depend on the world size: an elastic resume removes
 consumed from the pool and splits the rest over the new world. Keeping the rest in epoch order
 keeps each new block a contiguous run of shards, so a resumed rank still touches about
 1/world of the shards; and the consumed set is rebuilt exactly by replaying steps 2-3 per segment.
+A loader that visits a rank's entries in another order than step 3 gives (say, batches grouped by
+length) passes that order as ``visit_order``, so the replay marks what the rank really consumed.
 
 Locality bound (tested): a rank's real entries come from a contiguous run of the epoch's shard
 order, every shard strictly inside the run belongs wholly to that rank, so it touches at most
@@ -37,7 +39,7 @@ sample of the next block.
 """
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
@@ -78,6 +80,12 @@ class Partition:
     def tail(self, start: int) -> "Partition":
         """Entries from position `start` on (what is left after `start` were consumed)."""
         return Partition(self.indices[start:], self.is_pad[start:])
+
+
+# (a rank's entries of one segment, epoch, segment number, world_size, rank) -> the same entries in
+# the order that rank visits them (a loader may drop entries it never visits, e.g. drop_last).
+# Must be a pure function of its arguments: a resume replays it for every past rank.
+VisitOrder = Callable[["Partition", int, int, int, int], "Partition"]
 
 
 class Segment(NamedTuple):
@@ -333,10 +341,12 @@ def _consume_segment(
     seed: int,
     policy: Policy,
     shuffle: bool,
+    visit_order: VisitOrder | None = None,
 ) -> IntArray:
     """The pool (int64 [M]) minus the real samples every rank consumed in `segment`.
 
-    `taken` (bool [N], by global id) is scratch space, updated in place.
+    `taken` (bool [N], by global id) is scratch space, updated in place. A rank consumed the
+    first `consumed` entries of its part, in `visit_order` when one is given.
     """
     _check_segment(index, segment, pool.size, policy)
     world_size, consumed = int(segment[0]), int(segment[1])
@@ -353,6 +363,14 @@ def _consume_segment(
             policy=policy,
             shuffle=shuffle,
         )
+        if visit_order is not None:
+            part = visit_order(part, epoch, index, world_size, rank)
+            if len(part) < consumed:
+                raise PartitionError(
+                    f"segments[{index}] has consumed_per_rank={consumed}, but rank {rank}'s visit "
+                    f"order has only {len(part)} entries: the state was saved with another loader "
+                    "(batch size, grouping); resume with the same one, or start the epoch fresh"
+                )
         taken[part.indices[:consumed][~part.is_pad[:consumed]]] = True
     return pool[~taken[pool]]  # int64 [M'], still in epoch order
 
@@ -365,10 +383,12 @@ def remaining_samples(
     seed: int,
     policy: Policy = "pad",
     shuffle: bool = True,
+    visit_order: VisitOrder | None = None,
 ) -> IntArray:
     """Samples of the epoch not consumed in `segments`, in epoch order: int64 [M].
 
     Under `drop`, samples a segment left out but never visited are not consumed: they remain.
+    `visit_order`: how the ranks visited their entries, when not in partition order.
     """
     counts = validate_shard_counts(shard_counts)
     _check_seed_epoch_policy(seed, epoch, policy)
@@ -387,6 +407,7 @@ def remaining_samples(
             seed=seed,
             policy=policy,
             shuffle=shuffle,
+            visit_order=visit_order,
         )
     return pool
 
@@ -401,6 +422,7 @@ def remaining_partition(
     seed: int,
     policy: Policy = "pad",
     shuffle: bool = True,
+    visit_order: VisitOrder | None = None,
 ) -> Partition:
     """This rank's entries for what is left of the epoch after `segments`, over a new world.
 
@@ -409,6 +431,7 @@ def remaining_partition(
     `drop`. Nothing remaining gives every rank 0 entries; so does `drop` with fewer remaining
     samples than ranks (they are the at most W-1 left out). With no segments this is
     partition(). The split is segment number len(segments), so it never repeats an earlier one.
+    The result is in partition order; `visit_order` only says how past segments were visited.
     """
     if not segments:
         return partition(
@@ -422,7 +445,8 @@ def remaining_partition(
         )
     _check_world(world_size, rank)
     pool = remaining_samples(
-        shard_counts, segments=segments, epoch=epoch, seed=seed, policy=policy, shuffle=shuffle
+        shard_counts, segments=segments, epoch=epoch, seed=seed, policy=policy, shuffle=shuffle,
+        visit_order=visit_order,
     )  # int64 [M]
     return split_pool(
         pool,

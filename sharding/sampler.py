@@ -23,6 +23,10 @@ The trainer's side of the contract:
 
 The sampler cannot count consumption itself: the DataLoader prefetches, so what was yielded is
 ahead of what was trained on. Hence `advance`.
+
+A batch sampler that visits the entries in another order (LengthGroupedBatchSampler) registers
+that order with `set_visit_order`, so a resume on another world size rebuilds what each past
+rank really consumed; the state records the order's name and a resume checks it.
 """
 
 import hashlib
@@ -41,11 +45,13 @@ from sharding.partition import (
     PartitionError,
     Policy,
     Segment,
+    VisitOrder,
     remaining_partition,
     validate_shard_counts,
 )
 
 STATE_VERSION = 1
+PARTITION_ORDER = "partition"  # the visit-order name of a sampler iterated as it is
 _YIELD_CHUNK = 4096  # values converted to Python ints at a time, never the whole partition
 
 
@@ -106,6 +112,9 @@ class ShardedSampler(Sampler[int]):
         self._start = 0  # entries of the current segment skipped by a resume
         self._current = Partition(np.empty(0, np.int64), np.empty(0, np.bool_))
         self._encoded: IntArray = np.empty(0, np.int64)  # int64 [n], what __iter__ yields
+        self._visit_order: VisitOrder | None = None  # None: entries visited in partition order
+        self._visit_order_name = PARTITION_ORDER
+        self._loaded_order: str | None = None  # the order named by the last loaded state
         # Computing epoch 0 now checks world, rank, seed and policy here, not mid-epoch.
         self._enter(0, [Segment(world_size, 0)], start=0)
 
@@ -121,6 +130,7 @@ class ShardedSampler(Sampler[int]):
         """Start `epoch` from its beginning; the current epoch again keeps the progress."""
         if epoch != self._epoch:
             self._enter(epoch, [Segment(self.world_size, 0)], start=0)
+            self._loaded_order = None  # a fresh epoch owes nothing to the loaded state
 
     def _enter(self, epoch: int, segments: list[Segment], *, start: int) -> None:
         """Switch to this stretch of an epoch; computed first, so bad input changes nothing."""
@@ -133,6 +143,7 @@ class ShardedSampler(Sampler[int]):
             seed=self.seed,
             policy=self.policy,
             shuffle=self.shuffle,
+            visit_order=self._visit_order,
         )
         if start > len(current):
             raise SamplerStateError(
@@ -142,6 +153,24 @@ class ShardedSampler(Sampler[int]):
             )
         self._epoch, self._segments, self._start = epoch, segments, start
         self._current, self._encoded = current, encode_array(current)
+
+    @property
+    def segment(self) -> tuple[Partition, int, int]:
+        """(all entries of the current stretch of the epoch, its segment number, entries of it a
+        resume skipped): what a batch sampler regrouping the stretch needs."""
+        return self._current, len(self._segments) - 1, self._start
+
+    def set_visit_order(self, visit_order: VisitOrder | None, name: str) -> None:
+        """Entries are visited in ``visit_order`` (a pure function, see partition.VisitOrder),
+        not in partition order; ``name`` identifies it (with its parameters) in the state."""
+        if visit_order is None:
+            name = PARTITION_ORDER
+        self._check_order(self._loaded_order, name, self._segments)
+        self._visit_order, self._visit_order_name = visit_order, name
+        try:
+            self._enter(self._epoch, list(self._segments), start=self._start)  # past stretches, replayed
+        except PartitionError as error:
+            raise SamplerStateError(f"the loaded state does not fit visit order {name}: {error}") from error
 
     @property
     def partition(self) -> Partition:
@@ -181,6 +210,7 @@ class ShardedSampler(Sampler[int]):
             "num_samples": self.num_samples,
             "shard_counts_digest": shard_counts_digest(self._counts),
             "segments": [[int(w), int(c)] for w, c in self._segments],
+            "visit_order": self._visit_order_name,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -188,6 +218,8 @@ class ShardedSampler(Sampler[int]):
         world size, else over what is left of it, split across this world."""
         epoch, segments = _parse_state(state)
         self._check_compatible(state)
+        loaded_order = state.get("visit_order")  # absent in states saved before it was recorded
+        self._check_order(loaded_order, self._visit_order_name, segments)
         while segments and segments[-1].consumed_per_rank == 0:
             segments.pop()  # a trailing stretch that consumed nothing changes nothing
         if segments and segments[-1].world_size == self.world_size:
@@ -199,6 +231,18 @@ class ShardedSampler(Sampler[int]):
             self._enter(epoch, segments, start=start)
         except PartitionError as error:
             raise SamplerStateError(f"state_dict does not fit this sampler: {error}") from error
+        self._loaded_order = loaded_order
+
+    def _check_order(self, saved: str | None, mine: str, segments: Sequence[Segment]) -> None:
+        """Progress recorded under one visit order means other entries under another."""
+        if saved is None or saved == mine or not any(consumed for _, consumed in segments):
+            return
+        raise SamplerStateError(
+            f"state_dict was saved visiting entries in order {saved!r}, but this sampler visits "
+            f"them in order {mine!r}, so its progress would name other samples: build the loader "
+            "as before (group_by_length, batch_size, drop_last) before load_state_dict, or call "
+            "set_epoch to start the epoch fresh"
+        )
 
     def _check_compatible(self, state: Mapping[str, Any]) -> None:
         expected = {

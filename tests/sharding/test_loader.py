@@ -27,7 +27,8 @@ from sharding import (
     open_dataset,
     padding_fraction,
 )
-from sharding.loader import LengthGroupedBatchSampler, pass_batch
+from sharding.loader import pass_batch
+from sharding.sampler import SamplerStateError
 from sharding.writer import DatasetWriter
 
 WriteDataset = Callable[..., Path]
@@ -250,14 +251,57 @@ def test_same_world_resume_continues_exactly(varied_path: Path, group_by_length:
     assert before + consume(resumed_loader, resumed_sampler) == uninterrupted
 
 
-def test_grouped_resume_on_another_world_warns(varied_path: Path) -> None:
+def run_segment(ds: Any, state: dict[str, Any] | None, world_size: int, steps: int | None,
+                group_by_length: bool = True) -> tuple[list[int], dict[str, Any]]:
+    """Every rank of a world trains ``steps`` batches of 16 (all if None) from ``state``;
+    -> (real samples they trained on, the state after)."""
+    seen, states = [], []
+    for rank in range(world_size):
+        sampler = ShardedSampler(ds.shard_counts, world_size=world_size, rank=rank, seed=8)
+        loader = make_loader(ds, sampler, 16, group_by_length=group_by_length)  # before the state
+        if state is not None:
+            sampler.load_state_dict(state)
+        seen += [i for i, is_pad in consume(loader, sampler, steps) if not is_pad]
+        states.append(sampler.state_dict())
+    assert all(s == states[0] for s in states)  # ranks step in lockstep: one state for all
+    return seen, states[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 4)), min_size=1, max_size=3),
+       st.integers(1, 5))
+def test_grouped_resume_on_other_worlds_covers_each_sample_once(
+        varied_path: Path, stretches: list[tuple[int, int]], last_world: int) -> None:
+    """Grouped batches, stopped and resumed on other world sizes mid-epoch: every sample of the
+    epoch is trained on exactly once (pad policy), as without grouping."""
     ds = open_dataset(varied_path)
-    old = ShardedSampler(ds.shard_counts, world_size=2, rank=0, seed=8)
-    consume(make_loader(ds, old, 16, group_by_length=True), old, num_batches=2)
-    new = ShardedSampler(ds.shard_counts, world_size=3, rank=0, seed=8)
-    new.load_state_dict(old.state_dict())
-    with pytest.warns(UserWarning, match="may repeat or be skipped"):
-        list(LengthGroupedBatchSampler(new, ds, 16, field="x"))
+    seen, state = [], None
+    for world_size, steps in stretches:
+        part, state = run_segment(ds, state, world_size, steps)
+        seen += part
+    rest, _ = run_segment(ds, state, last_world, None)
+    assert Counter(seen + rest) == Counter(range(301))
+
+
+def test_resume_refuses_another_visit_order(varied_path: Path) -> None:
+    ds = open_dataset(varied_path)
+    _, grouped_state = run_segment(ds, None, 2, 2)
+    assert grouped_state["visit_order"].startswith("length-grouped(field=x, batch_size=16")
+    plain = ShardedSampler(ds.shard_counts, world_size=3, rank=0, seed=8)
+    make_loader(ds, plain, 16)
+    with pytest.raises(SamplerStateError,
+                       match=r"order 'length-grouped.*order 'partition'.*before load_state_dict"):
+        plain.load_state_dict(grouped_state)
+    other = ShardedSampler(ds.shard_counts, world_size=2, rank=0, seed=8)
+    make_loader(ds, other, 8, group_by_length=True)  # another batch size: another grouping
+    with pytest.raises(SamplerStateError, match="batch_size=8"):
+        other.load_state_dict(grouped_state)
+    late = ShardedSampler(ds.shard_counts, world_size=2, rank=0, seed=8)
+    late.load_state_dict(run_segment(ds, None, 2, 2, group_by_length=False)[1])
+    with pytest.raises(SamplerStateError, match="order 'partition'"):
+        make_loader(ds, late, 16, group_by_length=True)  # plain progress, grouped loader
+    late.set_epoch(1)  # a fresh epoch owes nothing to the loaded state
+    make_loader(ds, late, 16, group_by_length=True)
 
 
 def test_a_worker_batch_is_one_shared_block(varied_path: Path) -> None:
