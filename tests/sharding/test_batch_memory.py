@@ -17,7 +17,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sharding import DatasetError, RankDataset, ShardedSampler, make_loader, open_dataset
-from sharding.batch_memory import BatchRing, RingBatch, batch_layout, numpy_views, tensor_views
+from sharding.batch_memory import (
+    HUGE_PAGE,
+    BatchRing,
+    RingBatch,
+    batch_layout,
+    huge_page_buffer,
+    numpy_views,
+    tensor_views,
+)
 from sharding.writer import DatasetWriter
 
 
@@ -192,3 +200,14 @@ def test_rank_dataset_batch_bytes_bound_every_batch(many_path: Path) -> None:
     batch = rank_ds.__getitems__(longest)
     used = max(t.data_ptr() + t.nbytes for t in batch.values()) - min(t.data_ptr() for t in batch.values())
     assert used <= bound
+
+
+@pytest.mark.parametrize("num_bytes", [1, 100, 4096 + 3, HUGE_PAGE, 3 * HUGE_PAGE + 5])
+def test_batch_buffers_are_aligned_for_whole_cache_lines(num_bytes: int) -> None:
+    """Rows start on cache lines (np.empty's data starts 16 bytes into a page); large buffers
+    start on a 2 MiB boundary, so the kernel can back them with huge pages."""
+    buffer = huge_page_buffer(num_bytes)
+    assert buffer.nbytes == num_bytes and buffer.dtype == np.uint8 and buffer.flags.writeable
+    assert buffer.ctypes.data % (HUGE_PAGE if num_bytes >= HUGE_PAGE else 64) == 0
+    buffer[:] = 7  # all of it is usable memory
+    assert int(buffer[-1]) == 7
