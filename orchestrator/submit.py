@@ -6,6 +6,7 @@ before it sees submitit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
@@ -114,15 +116,37 @@ def _tasks(job: submitit.Job[Any]) -> list[submitit.Job[Any]]:
 
 
 def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> None:
-    """Wait for the job; in local mode, as soon as one rank has raised, cancel the rest instead of
+    """Wait for the job; in local mode, as soon as one rank has raised, stop the rest instead of
     letting them wait in a collective. On SLURM, srun's --kill-on-bad-exit does that, and a cancel
     from here would record the job as CANCELLED instead of FAILED."""
     while isinstance(job, LocalJob) and not job.done():
         if any(_raised(task) for task in _tasks(job)):
-            job.cancel(check=False)
+            stop_local(job)
             break
         time.sleep(poll_s)
     job.wait()
+
+
+def stop_local(job: LocalJob[Any]) -> None:
+    """Stop every rank of a local job now.
+
+    submitit's ``cancel`` only sends SIGINT to the job's controller process, and a process
+    started with SIGINT ignored never acts on it: a shell's background jobs (``cmd &``, nohup,
+    many CI runners) ignore SIGINT, and every child inherits that. The ranks themselves bypass
+    SIGTERM (submitit keeps it for SLURM preemption). So, besides the cancel, the controller's
+    children, the ranks, get SIGKILL; the controller sees them exit and ends the job.
+    """
+    job.cancel(check=False)
+    try:
+        controller = psutil.Process(int(job.job_id))  # a local job's id is its controller's pid
+        if "submitit.local._local" not in " ".join(controller.cmdline()):
+            return  # the controller has exited and its pid belongs to someone else now
+        ranks = controller.children(recursive=True)
+    except (psutil.Error, ValueError):
+        return  # already gone
+    for rank in ranks:
+        with contextlib.suppress(psutil.Error):
+            rank.kill()
 
 
 def _raised(task: submitit.Job[Any]) -> bool:

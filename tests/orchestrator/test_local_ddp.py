@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -26,12 +27,20 @@ def test_debug_mode_runs_in_process(tmp_path: Path) -> None:
     assert result["world_size"] == 1 and result["reduced"] == 1.0
 
 
-def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path, sigint: str) -> None:
+    """Also when started with SIGINT ignored, as a shell's background job or CI runner is: then
+    submitit's own cancel (a SIGINT to its controller) does nothing."""
     executor = submit.make_executor(ClusterConfig(mode="local"),
                                     ParallelismConfig(procs_per_node=2), tmp_path / "jobs")
     start = time.monotonic()
-    job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), fail_on_rank=1,
-                        rendezvous_timeout_s=300)
+    disposition = signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, disposition)
+    try:  # the job's processes inherit the disposition at submission
+        job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), fail_on_rank=1,
+                            rendezvous_timeout_s=300)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     with pytest.raises(submit.JobFailedError) as info:
         submit.results(job)
     # rank 0 would otherwise wait the whole 300 s rendezvous timeout for rank 1
