@@ -3,7 +3,8 @@
 Every batch the loader builds (data, lengths, masks, index, is_pad) is views into one block of
 bytes laid out by a ``BatchLayout``. The block comes from one of three places:
 
-- in the main process (``num_workers=0``): ``BufferPool``, a few reused buffers;
+- in the main process (``num_workers=0``): ``BufferPool``, a few reused buffers, cache-line
+  aligned and on 2 MiB pages where the kernel allows (``huge_page_buffer``);
 - in a DataLoader worker started by ``make_loader``: a slot of that worker's ``BatchRing``,
   shared memory mapped once by the worker and the main process and reused batch after batch;
 - in a worker with no free slot (or no ring): ``shared_block``, fresh shared memory, which
@@ -21,11 +22,10 @@ A batch's block is a new numpy array per batch (``np.frombuffer`` of a memoryvie
 makes it the ``.base`` of every array cut from it, and ``torch.from_numpy`` of those arrays
 keeps them, and so the block, alive, as do any views of the tensors. A weak reference to the
 block (in-process pool) or a finalizer on it (ring slot) fires exactly when the last tensor,
-or view of one, is gone. A
-caller that keeps batches is safe: the pool then allocates as torch does, the worker takes
-fresh shared memory. A ring slot's release travels to its worker through a pipe (a 2-byte
-write, atomic), so the worker sees it only after the main process has stopped reading the slot,
-on any CPU architecture (the kernel's pipe orders the two).
+or view of one, is gone. A caller that keeps batches is safe: the pool then allocates a fresh
+block, the worker takes fresh shared memory. A ring slot's release travels to its worker through
+a pipe (a 2-byte write, atomic), so the worker sees it only after the main process has stopped
+reading the slot, on any CPU architecture (the kernel's pipe orders the two).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 from sharding.format import DatasetError
 
 ALIGN = 64  # every part of a block starts on a cache line: aligned for any dtype view
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # ring slots start on a page
 
 
 class Part(NamedTuple):

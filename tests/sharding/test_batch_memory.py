@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import pickle
 import sys
 from collections.abc import Iterator
@@ -147,11 +148,11 @@ def test_ring_slots_zero_and_bad_values(many_path: Path) -> None:
 
 def test_claim_release_in_one_process() -> None:
     ring = BatchRing(slot_bytes=100, num_slots=2)
-    assert ring.slot_bytes == 4096  # slots start on a page
+    assert ring.slot_bytes == mmap.PAGESIZE  # slots start on a page
     layout = batch_layout([("a", np.dtype(np.int64), (3,))])
     first, second = ring.claim(layout.nbytes), ring.claim(layout.nbytes)
     assert (first, second) == (0, 1) and ring.claim(layout.nbytes) is None
-    assert ring.claim(4097) is None  # never a batch bigger than a slot
+    assert ring.claim(mmap.PAGESIZE + 1) is None  # never a batch bigger than a slot
     arrays = numpy_views(ring.slot(first, layout.nbytes), layout)
     arrays["a"][:] = [1, 2, 3]
     received = pickle.loads(pickle.dumps(ring.batch(first, layout, arrays)))  # as the main process
