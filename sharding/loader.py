@@ -11,7 +11,7 @@
 How a batch is built. The DataLoader draws one list of sampler values per batch (a batch
 sampler over the ShardedSampler) and, because ``RankDataset`` defines ``__getitems__``, hands
 the whole list to it in one call. ``__getitems__`` asks the reader where every sample's fields
-lie (``ShardedDataset.spans``: one vectorized lookup per shard), lays the batch out in one block
+lie (``ShardedDataset.spans``: located once, one vectorized lookup per shard), lays the batch out in one block
 of bytes (``batch_memory.BatchLayout``: each variable field ``[B, max_len, *trailing]``, its
 lengths and mask, the stacked fields, index, is_pad) and copies each sample's bytes from the
 memory map straight to its row: one copy per byte, no per-sample views or tensors, no
@@ -78,6 +78,15 @@ def pass_batch(batch: Batch) -> Batch:
     return batch
 
 
+class _Reads(NamedTuple):
+    """What one batch reads: its entries and where their fields lie (``ShardedDataset.spans``)."""
+
+    indices: np.ndarray  # int64 [B] global sample ids
+    is_pad: np.ndarray  # bool [B]
+    sources: list[np.ndarray]  # per entry, the uint8 data of its shard
+    spans: dict[str, tuple[np.ndarray, np.ndarray]]  # field -> (byte starts, leading sizes)
+
+
 class _Field(NamedTuple):
     name: str
     np_dtype: np.dtype[Any]
@@ -108,6 +117,7 @@ class RankDataset(Dataset[Batch]):
         self.pad_value = pad_value
         _check_fields(self.dataset, self.fixed)
         self._fields = tuple(_field(self.dataset, name, self.fixed) for name in self.dataset.schema)
+        self._names = tuple(f.name for f in self._fields)
         self._zero_pad = {f.name: _pad_is_zero(f, pad_value) for f in self._fields if f.shape is None}
         self._pool = BufferPool()  # in-process batch memory
         self._rings: list[BatchRing] | None = None  # one per worker, set while workers start
@@ -143,19 +153,18 @@ class RankDataset(Dataset[Batch]):
         if not len(values):
             raise DatasetError("RankDataset got an empty batch: there is nothing to read")
         indices, is_pad = decode_array(values)  # int64 [B], bool [B]
-        spans = {f.name: self.dataset.spans(f.name, indices) for f in self._fields}
-        layout = self._layout(len(indices), {f.name: int(spans[f.name][2].max())
+        reads = _Reads(indices, is_pad, *self.dataset.spans(indices, self._names))
+        layout = self._layout(len(indices), {f.name: int(reads.spans[f.name][1].max())
                                              for f in self._fields if f.shape is None})
         worker = get_worker_info()
         if worker is None:  # in-process: reused buffers
-            return as_tensors(self._fill(self._pool.block(layout.nbytes), layout, spans, indices, is_pad))
+            return as_tensors(self._fill(self._pool.block(layout.nbytes), layout, reads))
         ring = self._rings[worker.id] if self._rings else None
         slot = ring.claim(layout.nbytes) if ring is not None else None
         if ring is not None and slot is not None:  # this worker's ring: nothing new to map or send
-            arrays = self._fill(ring.slot(slot, layout.nbytes), layout, spans, indices, is_pad)
-            return ring.batch(slot, layout, arrays)
+            return ring.batch(slot, layout, self._fill(ring.slot(slot, layout.nbytes), layout, reads))
         shared = shared_block(layout.nbytes)  # every slot still in use: fresh shared memory
-        self._fill(shared.numpy(), layout, spans, indices, is_pad)
+        self._fill(shared.numpy(), layout, reads)
         return tensor_views(shared, layout)  # views of the shared storage: torch sends its handle
 
     def batch_bytes(self, batch_size: int) -> int:
@@ -176,9 +185,7 @@ class RankDataset(Dataset[Batch]):
                       (f"{f.name}_lengths", _INT64, (num,)), (f"{f.name}_mask", _BOOL, (num, max_len))]
         return batch_layout([*specs, ("index", _INT64, (num,)), ("is_pad", _BOOL, (num,))])
 
-    def _fill(self, block: np.ndarray, layout: BatchLayout,
-              spans: dict[str, tuple[list[np.ndarray], np.ndarray, np.ndarray]],
-              indices: np.ndarray, is_pad: np.ndarray) -> dict[str, np.ndarray]:
+    def _fill(self, block: np.ndarray, layout: BatchLayout, reads: _Reads) -> dict[str, np.ndarray]:
         """Copy every sample's fields from the map into its row of the batch, ``block`` (uint8);
         -> the batch's arrays over ``block``.
 
@@ -190,13 +197,13 @@ class RankDataset(Dataset[Batch]):
         arrays = numpy_views(block, layout)
         offsets = {part.key: part.offset for part in layout.parts}
         for f in self._fields:
-            sources, starts, leading = spans[f.name]
+            starts, leading = reads.spans[f.name]
             data = arrays[f.name]
             stride = data[0].nbytes  # bytes per sample in the batch: max_len rows, or the shape
             zero_pad = self._zero_pad.get(f.name, True)  # stacked fields have no padding
             at = offsets[f.name]
-            for source, start, num_bytes in zip(sources, starts.tolist(), (leading * f.row_bytes).tolist(),
-                                                strict=True):
+            sizes = (leading * f.row_bytes).tolist()  # bytes of each sample's field
+            for source, start, num_bytes in zip(reads.sources, starts.tolist(), sizes, strict=True):
                 block[at : at + num_bytes] = source[start : start + num_bytes]  # the one copy
                 if num_bytes < stride and zero_pad:
                     block[at + num_bytes : at + stride] = 0
@@ -209,8 +216,8 @@ class RankDataset(Dataset[Batch]):
                     row[num_rows:] = self.pad_value
             arrays[f"{f.name}_lengths"][...] = leading
             np.less(np.arange(max_len), leading[:, None], out=arrays[f"{f.name}_mask"])
-        arrays["index"][...] = indices
-        arrays["is_pad"][...] = is_pad
+        arrays["index"][...] = reads.indices
+        arrays["is_pad"][...] = reads.is_pad
         return arrays
 
 

@@ -17,7 +17,7 @@ import operator
 import os
 import weakref
 from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -318,32 +318,43 @@ class ShardedDataset:
         shards = np.searchsorted(self._ends_array, idx, side="right")
         return shards, idx - np.asarray(self._starts, dtype=np.int64)[shards]
 
-    def spans(self, field: str, indices: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """Where ``field`` of each sample lies, for copying many samples without a view each.
+    def spans(
+        self, indices: np.ndarray, fields: Sequence[str]
+    ) -> tuple[list[np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """Where each sample's ``fields`` lie, for copying many samples without a view each.
 
-        Returns ``(sources, starts, leading)``: per sample the uint8 array over its shard's
-        data file, the byte offset of the field in it, and its leading size (1 for a scalar
-        field). The field's bytes are ``sources[k][starts[k] : starts[k] + leading[k] * row]``
-        where ``row`` is the byte size of one row (the trailing shape times the item size).
-        One vectorized lookup per shard involved, no per-sample Python beyond the list.
+        Returns ``(sources, {field: (starts, leading)})``: per sample the uint8 array over its
+        shard's data file, and per field the byte offset in it and the leading size (1 for a
+        scalar field). Field ``f`` of sample ``k`` is ``sources[k][s : s + leading[k] * row]``
+        with ``s = starts[k]`` and ``row`` the byte size of one row of ``f`` (its trailing
+        shape times its item size). The samples are located once for all fields; one
+        vectorized lookup per shard and field, no per-sample Python beyond the list.
         """
-        try:
-            number = self._field_numbers[field]
-        except KeyError as e:
-            raise self._unknown_field(field) from e
-        shards, local = self.locate(indices)
-        starts = np.empty(len(shards), np.int64)
-        leading = np.ones(len(shards), np.int64)
+        numbers = []
+        for field in fields:
+            if field not in self._field_numbers:
+                raise self._unknown_field(field)
+            numbers.append(self._field_numbers[field])
+        shards, runs = self._shard_runs(indices)
+        out = {field: (np.empty(len(shards), np.int64), np.ones(len(shards), np.int64)) for field in fields}
         by_shard: dict[int, np.ndarray] = {}
-        for shard in np.unique(shards).tolist():
+        for shard, run, local in runs:
             mapped = self._mapped[shard] or self._map(shard)
-            at = shards == shard
-            spec = mapped.fields[number]
-            starts[at] = spec.offsets_array[local[at]]
-            if spec.leading_array is not None:
-                leading[at] = spec.leading_array[local[at]]
             by_shard[shard] = mapped.bytes
-        return [by_shard[shard] for shard in shards.tolist()], starts, leading
+            for field, number in zip(fields, numbers, strict=True):
+                spec, (starts, leading) = mapped.fields[number], out[field]
+                starts[run] = spec.offsets_array[local]
+                if spec.leading_array is not None:
+                    leading[run] = spec.leading_array[local]
+        return [by_shard[shard] for shard in shards.tolist()], out
+
+    def _shard_runs(self, indices: np.ndarray) -> tuple[np.ndarray, list[tuple[int, np.ndarray, np.ndarray]]]:
+        """(shard of each index, [(shard, positions of its indices, their local indices)]):
+        the indices grouped by shard, for one vectorized lookup per shard."""
+        shards, local = self.locate(indices)
+        order = np.argsort(shards, kind="stable")
+        runs = np.split(order, np.flatnonzero(np.diff(shards[order])) + 1)
+        return shards, [(int(shards[run[0]]), run, local[run]) for run in runs if run.size]
 
     # -- leading sizes -----------------------------------------------------------------------
 
@@ -356,12 +367,10 @@ class ShardedDataset:
         if indices is None:
             parts = [self._shard_leading(k, field) for k in range(len(self._ends))]
             return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        shards, local = self.locate(indices)
+        shards, runs = self._shard_runs(indices)
         out = np.empty(len(shards), dtype=np.int64)
-        order = np.argsort(shards, kind="stable")  # group the indices by shard
-        for run in np.split(order, np.flatnonzero(np.diff(shards[order])) + 1):
-            if run.size:
-                out[run] = self._shard_leading(int(shards[run[0]]), field)[local[run]]
+        for shard, run, local in runs:
+            out[run] = self._shard_leading(shard, field)[local]
         return out
 
     def _variable_field(self, field: str) -> FieldSpec:

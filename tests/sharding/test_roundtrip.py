@@ -117,8 +117,9 @@ def test_spans_locate_each_samples_bytes(dataset_path, mixed_samples):
     ds = open_dataset(dataset_path)
     some = np.array([59, 0, 31, 31, 7, 58, 1])  # sample 1 has 0 rows
     assert len(set(ds.locate(some)[0].tolist())) > 2  # several shards in one call
-    for name in mixed_samples[0]:
-        sources, starts, leading = ds.spans(name, some)
+    sources, spans = ds.spans(some, list(mixed_samples[0]))  # every field, located once
+    assert list(spans) == list(mixed_samples[0])
+    for name, (starts, leading) in spans.items():
         for k, i in enumerate(some.tolist()):
             want = np.ascontiguousarray(mixed_samples[i][name])
             row = want.nbytes // max(len(want), 1) if want.ndim else want.nbytes
@@ -126,9 +127,9 @@ def test_spans_locate_each_samples_bytes(dataset_path, mixed_samples):
             got = sources[k][starts[k] : starts[k] + leading[k] * row]
             assert got.tobytes() == want.astype(want.dtype.newbyteorder("<")).tobytes(), (name, i)
     with pytest.raises(DatasetError, match="'nope' is not in the dataset"):
-        ds.spans("nope", some)
+        ds.spans(some, ["x", "nope"])
     with pytest.raises(IndexError, match="out of range"):
-        ds.spans("x", np.array([len(ds)]))
+        ds.spans(np.array([len(ds)]), ["x"])
 
 
 def test_leading_sizes_for_all_and_for_some(dataset_path, mixed_samples):
