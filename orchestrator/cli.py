@@ -56,7 +56,7 @@ def _sweeps(args: argparse.Namespace) -> int:
         if args.command == "show":
             return status.cmd_show(reg, args.job, args.json)
         if args.command == "cancel":
-            return status.cmd_cancel(reg, args.target, args.json)
+            return status.cmd_cancel(reg, args.target, args.json, grace_s=args.grace)
         return status.cmd_resubmit(reg, args.target, args.failed, args.json)
 
 
@@ -83,6 +83,9 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM or a SLURM id")
     p = sub.add_parser("cancel", parents=[common, scripted], help="cancel a sweep's jobs, or one job")
     p.add_argument("target", metavar="SWEEP|JOB")
+    p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                   help="local jobs: seconds between SIGTERM (the trainer checkpoints) and SIGKILL "
+                        "(default 30, SLURM's KillWait); SLURM jobs follow the cluster's KillWait")
     p = sub.add_parser("resubmit", parents=[common, scripted],
                        help="submit a sweep's failed, timed-out and cancelled jobs again, as a new array")
     p.add_argument("target", metavar="SWEEP")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -412,13 +411,19 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     return 0
 
 
-def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout) -> int:
+def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout,
+               grace_s: float | None = None) -> int:
+    """scancel the target's live jobs; local jobs get the same SIGTERM, then SIGKILL after
+    ``grace_s`` (default SLURM's KillWait, 30 s), and this returns once they are gone."""
+    if grace_s is not None and not grace_s >= 0:
+        raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
+                           "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
     reconcile(registry, [ref.sweep_id])
     executor = registry.sweep(ref.sweep_id).executor
     live = [a for a in registry.latest_attempts(ref.sweep_id).values()
             if (ref.num is None or a.num == ref.num) and a.slurm_id and a.state not in TERMINAL_STATES]
-    cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live)
+    cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live, grace_s)
     now = time.time()
     registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
                                  error="cancelled with switchyard cancel") for a in cancelled)
@@ -442,15 +447,12 @@ def _cancel_slurm(attempts: list[Attempt]) -> list[Attempt]:
     return attempts
 
 
-def _cancel_local(attempts: list[Attempt]) -> list[Attempt]:
-    done = []
-    for a in attempts:
-        try:
-            os.kill(int(str(a.slurm_id)), signal.SIGTERM)  # submitit's controller stops its tasks
-        except ProcessLookupError:
-            continue
-        done.append(a)
-    return done
+def _cancel_local(attempts: list[Attempt], grace_s: float | None) -> list[Attempt]:
+    from orchestrator import local_jobs
+
+    pids = {int(str(a.slurm_id)): a for a in attempts}
+    stopped = local_jobs.terminate(list(pids), local_jobs.KILL_WAIT_S if grace_s is None else grace_s)
+    return [pids[pid] for pid in stopped]
 
 
 def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,

@@ -6,7 +6,6 @@ before it sees submitit.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -15,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psutil
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
-from orchestrator import dist_env
+from orchestrator import dist_env, local_jobs
 from orchestrator.config import ClusterConfig, ParallelismConfig
 
 R = TypeVar("R")
@@ -128,25 +126,10 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> None:
 
 
 def stop_local(job: LocalJob[Any]) -> None:
-    """Stop every rank of a local job now.
-
-    submitit's ``cancel`` only sends SIGINT to the job's controller process, and a process
-    started with SIGINT ignored never acts on it: a shell's background jobs (``cmd &``, nohup,
-    many CI runners) ignore SIGINT, and every child inherits that. The ranks themselves bypass
-    SIGTERM (submitit keeps it for SLURM preemption). So, besides the cancel, the controller's
-    children, the ranks, get SIGKILL; the controller sees them exit and ends the job.
-    """
+    """Stop every rank of a local job now: submitit's cancel, which a process with SIGINT
+    ignored never acts on, and SIGKILL to the ranks (``local_jobs``, which explains why)."""
     job.cancel(check=False)
-    try:
-        controller = psutil.Process(int(job.job_id))  # a local job's id is its controller's pid
-        if "submitit.local._local" not in " ".join(controller.cmdline()):
-            return  # the controller has exited and its pid belongs to someone else now
-        ranks = controller.children(recursive=True)
-    except (psutil.Error, ValueError):
-        return  # already gone
-    for rank in ranks:
-        with contextlib.suppress(psutil.Error):
-            rank.kill()
+    local_jobs.kill(int(job.job_id))
 
 
 def _raised(task: submitit.Job[Any]) -> bool:

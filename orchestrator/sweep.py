@@ -38,7 +38,7 @@ from hydra.errors import CompactHydraException, HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestrator import atomic, dist_env
+from orchestrator import atomic, dist_env, local_jobs
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
 from orchestrator.registry import Job, Registry, Submitted, TaskStatus, reconcile
 
@@ -54,6 +54,7 @@ EXECUTORS = ("slurm", "local")
 POINT_DIR = ".switchyard"  # inside each point's run directory
 SWEEP_ENTRY = ".switchyard/entry.pkl"  # inside the sweep directory
 SUBMITIT_FOLDER = ".submitit/%j"  # inside the sweep directory; one folder per array task
+LOCAL_CONTROLLER_LOG = ".submitit/local-controllers.log"  # what submitit's local controllers print
 
 
 class SweepError(CompactHydraException, ValueError):
@@ -552,6 +553,9 @@ def _submit_and_wait(settings: LauncherSettings, registry: Registry, sweep_id: i
     try:
         if settings.executor == "local" and wait:
             launched = _run_local_window(registry, sweep_id, groups, folder, settings.poll_s)
+        elif settings.executor == "local":  # not waiting: the controllers must not hold our pipes
+            with local_jobs.detached_output(sweep_dir / LOCAL_CONTROLLER_LOG):
+                launched = _submit_all(registry, sweep_id, groups, folder)
         else:
             launched = _submit_all(registry, sweep_id, groups, folder)
         if not wait:

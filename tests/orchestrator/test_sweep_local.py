@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import sweep_probe
 
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
@@ -110,3 +111,48 @@ def test_commands_explain_a_name_that_matches_nothing(tmp_path: Path) -> None:
     assert "no job 0" in proc.stderr or "no sweep 7" in proc.stderr
     proc = switchyard(tmp_path, "resubmit", "7")
     assert proc.returncode == 2 and "--failed" in proc.stderr
+
+
+def rank_pid(tmp_path: Path, x: int) -> int:
+    """The pid of the process running point ``x`` (the probe names its marker after it)."""
+    (marker,) = (tmp_path / "out").glob(f"ran-{x}-*")
+    return int(marker.name.rsplit("-", 1)[1])
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_cancel_stops_local_jobs_even_when_they_ignore_sigterm(tmp_path: Path) -> None:
+    """The probe is a plain function, so submitit's rank entry point bypasses SIGTERM: after
+    the grace period its processes are killed, as slurmd kills after KillWait."""
+    write_app(tmp_path)
+    # run_app captures the output through pipes: it returns only because the controllers
+    # write to their own log, not to the pipes (they used to hold them open until the jobs ended).
+    proc = run_app(tmp_path, "x=1,2", "sleep_s=600", "hydra.launcher.wait=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "multirun" / ".submitit" / "local-controllers.log").exists()
+    deadline = time.monotonic() + 120
+    while runs(tmp_path, 1) + runs(tmp_path, 2) < 2:
+        assert time.monotonic() < deadline, status_json(tmp_path, "1")
+        time.sleep(0.2)
+    jobs = {j["job"]: j for j in status_json(tmp_path, "1")["jobs"]}
+    controllers = {x: int(jobs[f"1/{x - 1}"]["slurm_id"]) for x in (1, 2)}
+    ranks = {x: rank_pid(tmp_path, x) for x in (1, 2)}
+
+    one = switchyard(tmp_path, "cancel", "1/0", "--grace", "1")
+    assert one.returncode == 0, one.stderr
+    assert "cancelled 1 job(s)" in one.stdout
+    assert gone(ranks[1]) and gone(controllers[1])  # cancel returns once they are gone
+    assert not gone(ranks[2]) and not gone(controllers[2])  # the other job runs on
+
+    rest = switchyard(tmp_path, "cancel", "1", "--grace", "1")
+    assert "cancelled 1 job(s)" in rest.stdout, rest.stderr
+    assert gone(ranks[2]) and gone(controllers[2])
+    assert [j["state"] for j in status_json(tmp_path, "1")["jobs"]] == ["CANCELLED", "CANCELLED"]
+    assert "nothing to cancel" in switchyard(tmp_path, "cancel", "1").stdout
+    bad = switchyard(tmp_path, "cancel", "1", "--grace", "-1")
+    assert bad.returncode == 2 and "--grace -1.0 is invalid" in bad.stderr

@@ -1,0 +1,116 @@
+"""Stopping a local job's processes: what SLURM does for a cluster job, done by hand.
+
+A local job (``cluster=local``) is a submitit controller process whose children are the ranks;
+the job's id is the controller's pid. Two facts make submitit's own stop unreliable:
+
+- ``LocalJob.cancel()`` sends SIGINT to the controller, and a process started with SIGINT
+  ignored never acts on it: a shell's background jobs (``cmd &``, nohup, many CI runners)
+  ignore SIGINT, and every child inherits that.
+- SIGTERM to the controller is forwarded to the ranks, but submitit's rank entry point bypasses
+  SIGTERM (it keeps it for SLURM preemption), so a plain function never stops. Switchyard's
+  trainer does act on it: it checkpoints at the next step boundary and exits (the same as on
+  ``scancel``).
+
+A third: submitit starts the controller with this process's stdout and stderr, so a
+non-blocking local sweep run under a pipe (``| tee``, ``$(...)``, a CI step) did not end
+until its jobs did: the pipe stayed open in the controllers. ``detached_output`` points the
+controllers' output at a log file instead.
+
+So ``terminate`` mirrors ``scancel``: SIGTERM, a grace period (SLURM's KillWait), then SIGKILL
+to every rank still alive; ``kill`` skips the grace. Killing the ranks ends the controller too:
+it sees every task exit and returns. Only psutil here: ``switchyard cancel`` stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import psutil
+
+KILL_WAIT_S = 30.0  # SLURM's default KillWait: SIGTERM to SIGKILL
+
+
+def controller(pid: int) -> psutil.Process | None:
+    """The live submitit controller with this pid, or None: it has exited, and the pid may
+    since belong to an unrelated process, which is never signalled."""
+    try:
+        process = psutil.Process(pid)
+        if "submitit.local._local" in " ".join(process.cmdline()):
+            return process
+    except psutil.Error:
+        pass
+    return None
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _processes(process: psutil.Process) -> list[psutil.Process]:
+    """The ranks and everything they started (DataLoader workers), then the controller."""
+    with contextlib.suppress(psutil.Error):
+        return [*process.children(recursive=True), process]
+    return []
+
+
+def kill(pid: int) -> None:
+    """SIGKILL every rank of the local job ``pid`` (and what they started) now."""
+    process = controller(pid)
+    if process is None:
+        return
+    for child in _processes(process)[:-1]:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def terminate(pids: Sequence[int], grace_s: float = KILL_WAIT_S) -> list[int]:
+    """Stop local jobs as ``scancel`` stops cluster jobs; -> the pids that were running.
+
+    SIGTERM goes to each controller, which forwards it to its ranks; ranks that act on it
+    (the trainer) checkpoint and exit. After ``grace_s`` seconds, or as soon as every job
+    has ended, ranks still alive are killed. Returns once every job's processes are gone.
+    """
+    live = {pid: process for pid in pids if (process := controller(pid)) is not None}
+    for process in live.values():
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in live.values()):
+        time.sleep(0.1)
+    for pid in live:
+        kill(pid)
+    leftover = [p for process in live.values() for p in _processes(process)]
+    psutil.wait_procs(leftover, timeout=10)
+    return list(live)
+
+
+@contextlib.contextmanager
+def detached_output(log: Path) -> Iterator[None]:
+    """Inside, this process's fds 1 and 2 append to ``log``, so controllers started here
+    inherit the file, not a pipe a caller waits on. Restored on the way out; Python's own
+    buffered output is flushed first, so none of it lands in the log by mistake."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
