@@ -6,6 +6,8 @@ Used by the SLURM end-to-end tests and by anyone checking that a cluster can run
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,10 +29,14 @@ class SmokeResult:
 
 
 def allreduce(rdzv_dir: str, backend: str = "auto", fail_on_rank: int | None = None,
-              rendezvous_timeout_s: float = 120.0) -> dict[str, object]:
+              rendezvous_timeout_s: float = 120.0, kill_rank: int | None = None) -> dict[str, object]:
+    """``fail_on_rank`` raises on that rank, ``kill_rank`` SIGKILLs it (as the OOM killer
+    would), both before the rendezvous, so the other ranks would wait there for it."""
     env = dist_env.detect()
     if fail_on_rank is not None and env.rank == fail_on_rank:
         raise RuntimeError(f"deliberate failure on rank {env.rank} (fail_on_rank={fail_on_rank})")
+    if kill_rank is not None and env.rank == kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
     chosen = rendezvous.init_process_group(env, Path(rdzv_dir), backend=backend,
                                            rendezvous_timeout_s=rendezvous_timeout_s)
     try:

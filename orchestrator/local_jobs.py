@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 
 KILL_WAIT_S = 30.0  # SLURM's default KillWait: SIGTERM to SIGKILL
+CONTROLLER = "submitit.local._local"  # in the command line of submitit's local controller
 
 
 def controller(pid: int) -> psutil.Process | None:
@@ -41,18 +42,11 @@ def controller(pid: int) -> psutil.Process | None:
     since belong to an unrelated process, which is never signalled."""
     try:
         process = psutil.Process(pid)
-        if "submitit.local._local" in " ".join(process.cmdline()):
+        if CONTROLLER in " ".join(process.cmdline()):
             return process
     except psutil.Error:
         pass
     return None
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _processes(process: psutil.Process) -> list[psutil.Process]:
@@ -60,6 +54,33 @@ def _processes(process: psutil.Process) -> list[psutil.Process]:
     with contextlib.suppress(psutil.Error):
         return [*process.children(recursive=True), process]
     return []
+
+
+def ranks(pid: int) -> dict[int, psutil.Process]:
+    """The live rank processes of the local job ``pid``, by rank (their local id): the
+    processes a controller started, not what they started in turn (DataLoader workers)."""
+    process = controller(pid)
+    found: dict[int, psutil.Process] = {}
+    if process is None:
+        return found
+    with contextlib.suppress(psutil.Error):
+        for child in process.children(recursive=True):
+            with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                parent = child.parent()
+                if parent is None or CONTROLLER not in " ".join(parent.cmdline()):
+                    continue  # started by a rank, not by the controller
+                if CONTROLLER in " ".join(child.cmdline()):
+                    continue  # the controller itself, under a setup shell
+                found[int(child.environ()["SUBMITIT_LOCAL_LOCALID"])] = child
+    return found
+
+
+def alive(process: psutil.Process) -> bool:
+    """Running, and not a zombie its parent has yet to reap."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def kill(pid: int) -> None:
@@ -84,7 +105,7 @@ def terminate(pids: Sequence[int], grace_s: float = KILL_WAIT_S) -> list[int]:
         with contextlib.suppress(psutil.Error):
             process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in live.values()):
+    while time.monotonic() < deadline and any(alive(p) for p in live.values()):
         time.sleep(0.1)
     for pid in live:
         kill(pid)

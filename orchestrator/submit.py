@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
@@ -113,16 +114,34 @@ def _tasks(job: submitit.Job[Any]) -> list[submitit.Job[Any]]:
     return list(job._sub_jobs) or [job]  # submitit keeps one sub-job per task of a multi-task job
 
 
-def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> None:
-    """Wait for the job; in local mode, as soon as one rank has raised, stop the rest instead of
-    letting them wait in a collective. On SLURM, srun's --kill-on-bad-exit does that, and a cancel
-    from here would record the job as CANCELLED instead of FAILED."""
+LOCAL_DEATH = "ended without a result: killed (SIGKILL, the OOM killer, a crash) or exited early"
+
+
+def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[int, str]]:
+    """Wait for the job; in local mode, as soon as one rank has raised or died, stop the rest
+    instead of letting them wait in a collective or the rendezvous. On SLURM, srun's
+    --kill-on-bad-exit does that, and a cancel from here would record the job as CANCELLED
+    instead of FAILED.
+
+    Returns the local ranks seen to die without a result, as (rank, reason), in the order seen:
+    the same shape as ``srun_task_failures``, so ``failure`` blames them, not the ranks this
+    stopped. A rank that returns or raises writes its result before it exits, so a rank
+    process gone with no result file died.
+    """
+    seen: dict[int, psutil.Process] = {}  # every rank process seen, latest per rank
+    died: list[tuple[int, str]] = []
     while isinstance(job, LocalJob) and not job.done():
-        if any(_raised(task) for task in _tasks(job)):
+        tasks = _tasks(job)
+        seen.update(local_jobs.ranks(int(job.job_id)))
+        died = [(rank, LOCAL_DEATH) for rank, process in seen.items()
+                if rank < len(tasks) and not local_jobs.alive(process)
+                and not tasks[rank].paths.result_pickle.exists()]
+        if died or any(_raised(task) for task in tasks):
             stop_local(job)
             break
         time.sleep(poll_s)
     job.wait()
+    return died
 
 
 def stop_local(job: LocalJob[Any]) -> None:
@@ -144,8 +163,7 @@ def _raised(task: submitit.Job[Any]) -> bool:
 
 
 def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
-    """Per-rank results; waits for the job to end (failing fast when a rank raises)."""
-    wait_fail_fast(job)
+    """Per-rank results of a job that has ended (``wait_fail_fast``)."""
     tasks = _tasks(job)
     outcomes = []
     for rank, task in enumerate(tasks):
@@ -172,10 +190,11 @@ def results(job: submitit.Job[R]) -> list[R]:
     """
     if isinstance(job, submitit.DebugJob):
         return job.results()
+    died = wait_fail_fast(job)
     outcomes = rank_outcomes(job)
     if all(o.error is None and o.no_output is None for o in outcomes):
         return [o.result for o in outcomes]
-    raise failure(job, outcomes)
+    raise failure(job, outcomes, died)
 
 
 # Errors a rank raises because *another* rank went away: consequences, not causes.
@@ -203,14 +222,16 @@ def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]]) -> lis
     return [o for o in outcomes if o.no_output is not None]
 
 
-def failure(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobFailedError:
-    died = srun_task_failures(job)
+def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
+            died_locally: Sequence[tuple[int, str]] = ()) -> JobFailedError:
+    died = [*died_locally, *srun_task_failures(job)]
     reasons = dict(died)
     culprits = culprits_of(outcomes, died)
     lines = [f"job {job.job_id} failed ({job.state}):"]
+    reporter = "Switchyard saw" if isinstance(job, LocalJob) else "srun reports"
     for o in culprits[:4]:
         node = node_of(job, o.rank)
-        cause = f"srun reports the task {reasons[o.rank]}; " if o.rank in reasons and o.error is None else ""
+        cause = f"{reporter} the task {reasons[o.rank]}; " if o.rank in reasons and o.error is None else ""
         lines.append(f"rank {o.rank}{f' on node {node}' if node else ''}: "
                      f"{cause}{_tail(o.error or o.no_output or '', 25)}")
     others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})

@@ -48,3 +48,20 @@ def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path, 
     assert info.value.failed_ranks == [1]
     assert "rank 1 on node" in str(info.value)
     assert "deliberate failure on rank 1" in str(info.value)
+
+
+def test_a_local_rank_killed_by_a_signal_is_named_and_the_others_stopped(tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer) leaves no result and raises nothing: the rank is seen gone."""
+    executor = submit.make_executor(ClusterConfig(mode="local"),
+                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs")
+    start = time.monotonic()
+    job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), kill_rank=2,
+                        rendezvous_timeout_s=300)
+    with pytest.raises(submit.JobFailedError) as info:
+        submit.results(job)
+    # ranks 0 and 1 would otherwise wait the whole 300 s rendezvous timeout for rank 2
+    assert time.monotonic() - start < 120
+    assert info.value.failed_ranks == [2]
+    message = str(info.value)
+    assert "rank 2 on node" in message and "Switchyard saw the task ended without a result" in message
+    assert "ranks [0, 1] were stopped after rank 2 failed" in message
