@@ -156,3 +156,28 @@ def test_cancel_stops_local_jobs_even_when_they_ignore_sigterm(tmp_path: Path) -
     assert "nothing to cancel" in switchyard(tmp_path, "cancel", "1").stdout
     bad = switchyard(tmp_path, "cancel", "1", "--grace", "-1")
     assert bad.returncode == 2 and "--grace -1.0 is invalid" in bad.stderr
+
+
+def test_cancel_stops_a_local_training_job_at_a_step_boundary_with_a_checkpoint(tmp_path: Path) -> None:
+    """The trainer acts on cancel's SIGTERM as on SLURM preemption: all ranks stop at the same
+    step and rank 0 checkpoints, well before the grace period would have SIGKILLed them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "-m", "cluster=local", "cluster.wait=false",
+         "optim.max_steps=1000000", "log_every_steps=1", f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.sweep.dir={tmp_path / 'multirun'}"],
+        env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = tmp_path / "multirun" / "0" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline, status_json(tmp_path, "1")
+        time.sleep(0.2)
+
+    started = time.monotonic()
+    cancel = switchyard(tmp_path, "cancel", "1", "--grace", "100")
+    assert "cancelled 1 job(s)" in cancel.stdout, cancel.stderr
+    assert time.monotonic() - started < 60  # stopped on SIGTERM, not killed after the grace
+    assert list((tmp_path / "multirun" / "0" / "checkpoints").glob("step-*.pt"))
+    logs = "".join(p.read_text() for p in (tmp_path / "multirun").rglob("*_0_log.out"))
+    assert "stopped by PREEMPTED at step" in logs
+    assert [j["state"] for j in status_json(tmp_path, "1")["jobs"]] == ["CANCELLED"]
