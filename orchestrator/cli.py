@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from orchestrator import local_jobs
 from orchestrator.localcluster import cluster
 
 
@@ -83,9 +84,9 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM or a SLURM id")
     p = sub.add_parser("cancel", parents=[common, scripted], help="cancel a sweep's jobs, or one job")
     p.add_argument("target", metavar="SWEEP|JOB")
-    p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--grace", type=float, default=local_jobs.KILL_WAIT_S, metavar="SECONDS",
                    help="local jobs: seconds between SIGTERM (the trainer checkpoints) and SIGKILL "
-                        "(default 30, SLURM's KillWait); SLURM jobs follow the cluster's KillWait")
+                        "(default %(default)g, SLURM's KillWait); SLURM jobs follow the cluster's KillWait")
     p = sub.add_parser("resubmit", parents=[common, scripted],
                        help="submit a sweep's failed, timed-out and cancelled jobs again, as a new array")
     p.add_argument("target", metavar="SWEEP")

@@ -49,10 +49,10 @@ def controller(pid: int) -> psutil.Process | None:
     return None
 
 
-def _processes(process: psutil.Process) -> list[psutil.Process]:
-    """The ranks and everything they started (DataLoader workers), then the controller."""
+def _descendants(process: psutil.Process) -> list[psutil.Process]:
+    """The ranks and everything they started (DataLoader workers); none once it has exited."""
     with contextlib.suppress(psutil.Error):
-        return [*process.children(recursive=True), process]
+        return list(process.children(recursive=True))
     return []
 
 
@@ -88,7 +88,7 @@ def kill(pid: int) -> None:
     process = controller(pid)
     if process is None:
         return
-    for child in _processes(process)[:-1]:
+    for child in _descendants(process):
         with contextlib.suppress(psutil.Error):
             child.kill()
 
@@ -109,7 +109,7 @@ def terminate(pids: Sequence[int], grace_s: float = KILL_WAIT_S) -> list[int]:
         time.sleep(0.1)
     for pid in live:
         kill(pid)
-    leftover = [p for process in live.values() for p in _processes(process)]
+    leftover = [p for process in live.values() for p in [*_descendants(process), process]]
     psutil.wait_procs(leftover, timeout=10)
     return list(live)
 

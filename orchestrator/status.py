@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from orchestrator import telemetry
+from orchestrator import local_jobs, telemetry
 from orchestrator.registry import (
     RETRY_STATES,
     TERMINAL_STATES,
@@ -412,10 +412,10 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
 
 
 def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout,
-               grace_s: float | None = None) -> int:
+               grace_s: float = local_jobs.KILL_WAIT_S) -> int:
     """scancel the target's live jobs; local jobs get the same SIGTERM, then SIGKILL after
     ``grace_s`` (default SLURM's KillWait, 30 s), and this returns once they are gone."""
-    if grace_s is not None and not grace_s >= 0:
+    if not grace_s >= 0:
         raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
                            "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
@@ -447,12 +447,9 @@ def _cancel_slurm(attempts: list[Attempt]) -> list[Attempt]:
     return attempts
 
 
-def _cancel_local(attempts: list[Attempt], grace_s: float | None) -> list[Attempt]:
-    from orchestrator import local_jobs
-
+def _cancel_local(attempts: list[Attempt], grace_s: float) -> list[Attempt]:
     pids = {int(str(a.slurm_id)): a for a in attempts}
-    stopped = local_jobs.terminate(list(pids), local_jobs.KILL_WAIT_S if grace_s is None else grace_s)
-    return [pids[pid] for pid in stopped]
+    return [pids[pid] for pid in local_jobs.terminate(list(pids), grace_s)]
 
 
 def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,

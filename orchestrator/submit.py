@@ -126,15 +126,23 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
     Returns the local ranks seen to die without a result, as (rank, reason), in the order seen:
     the same shape as ``srun_task_failures``, so ``failure`` blames them, not the ranks this
     stopped. A rank that returns or raises writes its result before it exits, so a rank
-    process gone with no result file died.
+    process gone with no result file died; so did a rank not running one poll after its peers
+    were found (it died before any poll saw it).
     """
-    seen: dict[int, psutil.Process] = {}  # every rank process seen, latest per rank
+    seen: dict[int, psutil.Process | None] = {}  # rank -> its process; None: gone before found
+    started = False  # ranks were found at an earlier poll, so the controller has started them all
     died: list[tuple[int, str]] = []
     while isinstance(job, LocalJob) and not job.done():
         tasks = _tasks(job)
-        seen.update(local_jobs.ranks(int(job.job_id)))
+        if len(seen) < len(tasks):  # /proc is scanned only until every rank is accounted for
+            found = local_jobs.ranks(int(job.job_id))
+            seen.update(found)
+            if started:  # the controller starts its ranks within milliseconds of each other
+                for rank in range(len(tasks)):
+                    seen.setdefault(rank, None)
+            started = started or bool(found)
         died = [(rank, LOCAL_DEATH) for rank, process in seen.items()
-                if rank < len(tasks) and not local_jobs.alive(process)
+                if rank < len(tasks) and (process is None or not local_jobs.alive(process))
                 and not tasks[rank].paths.result_pickle.exists()]
         if died or any(_raised(task) for task in tasks):
             stop_local(job)

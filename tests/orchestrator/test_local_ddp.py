@@ -65,3 +65,15 @@ def test_a_local_rank_killed_by_a_signal_is_named_and_the_others_stopped(tmp_pat
     message = str(info.value)
     assert "rank 2 on node" in message and "Switchyard saw the task ended without a result" in message
     assert "ranks [0, 1] were stopped after rank 2 failed" in message
+
+
+def test_a_local_rank_that_dies_before_any_poll_sees_it_is_still_caught(tmp_path: Path) -> None:
+    """Polling every 5 s, rank 2 (killed about a second after it starts) is usually gone before
+    the first poll that finds its peers: it is then missing, not dead, and must count as dead."""
+    executor = submit.make_executor(ClusterConfig(mode="local"),
+                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs")
+    start = time.monotonic()
+    job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), kill_rank=2,
+                        rendezvous_timeout_s=300)
+    assert submit.wait_fail_fast(job, poll_s=5) == [(2, submit.LOCAL_DEATH)]
+    assert time.monotonic() - start < 120
