@@ -32,7 +32,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobs.demo_data import ensure_demo_dataset
 from jobs.models import RowPoolingMLP, RowTransformer
-from orchestrator import runtime, trainer
 from orchestrator.config import (
     DataConfig,
     MlpConfig,
@@ -41,7 +40,8 @@ from orchestrator.config import (
     TrainConfig,
     TransformerConfig,
 )
-from orchestrator.dist_env import DistEnv
+from orchestrator.launch.dist_env import DistEnv
+from orchestrator.training import runtime, trainer
 from sharding import collate_padded, open_dataset
 
 

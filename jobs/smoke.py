@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from orchestrator import dist_env, rendezvous
+from orchestrator.launch import dist_env, rendezvous
 
 
 @dataclass(frozen=True)

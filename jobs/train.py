@@ -18,8 +18,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from jobs.demo_data import demo_paths, ensure_demo_dataset
-from orchestrator import dist_env, submit, trainer
-from orchestrator.config import ConfigError, TrainConfig, register_configs
+from orchestrator.config import (
+    ClusterConfig,
+    ConfigError,
+    ParallelismConfig,
+    TrainConfig,
+    register_app_check,
+    register_configs,
+)
+from orchestrator.launch import dist_env, submit
+from orchestrator.training import trainer
 from sharding import DatasetError, open_dataset
 
 register_configs()
@@ -63,6 +71,16 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
                           f"{torch.cuda.device_count()})")
     return paths
+
+
+def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
+    """The sweep launcher runs this on every point before anything is queued (registered below)."""
+    typed = load_config(task_cfg)
+    check_before_submit(typed)
+    return typed.cluster, typed.parallelism
+
+
+register_app_check(TrainConfig, check_sweep_point)
 
 
 def _check_dataset(key: str, path: str, cfg: TrainConfig) -> int:

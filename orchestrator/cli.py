@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator import local_jobs
+from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
 
 
@@ -34,11 +34,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from orchestrator import telemetry
+    from orchestrator.telemetry.common import TelemetryError
+    from orchestrator.telemetry.plot import plot_run
 
     try:
-        out = telemetry.plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
-    except telemetry.TelemetryError as e:
+        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    except TelemetryError as e:
         print(f"switchyard plot: error: {e}", file=sys.stderr)
         return 2
     print(out)
@@ -46,8 +47,8 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _sweeps(args: argparse.Namespace) -> int:
-    """status, logs, show, cancel, resubmit: each a thin call into orchestrator.status."""
-    from orchestrator import registry, status
+    """status, logs, show, cancel, resubmit: each a thin call into orchestrator.sweeps.status."""
+    from orchestrator.sweeps import registry, status
 
     with registry.Registry(args.registry) as reg:
         if args.command == "status":
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"switchyard {args.command}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from orchestrator import status
+        from orchestrator.sweeps import status
 
         if not isinstance(e, status.ERRORS):
             raise

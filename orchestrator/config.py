@@ -9,6 +9,7 @@ and an override that fixes it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -339,3 +340,19 @@ def register_configs() -> None:
     cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
     cs.store(group="model", name="base_mlp", node=MlpConfig)
     cs.store(group="model", name="base_transformer", node=TransformerConfig)
+
+
+# An app's own checks before submission, by its config schema. An entry point registers its check
+# (jobs.train does) and the sweep launcher runs it on every point: the launcher reaches the app's
+# checks without orchestrator importing jobs. The check takes the point's composed config and returns
+# its cluster and parallelism groups.
+AppCheck = Callable[[Any], tuple[ClusterConfig, ParallelismConfig]]
+_APP_CHECKS: dict[type, AppCheck] = {}
+
+
+def register_app_check(schema: type, check: AppCheck) -> None:
+    _APP_CHECKS[schema] = check
+
+
+def app_check(schema: type | None) -> AppCheck | None:
+    return None if schema is None else _APP_CHECKS.get(schema)

@@ -1,4 +1,4 @@
-"""The Hydra ``Launcher`` plugin: a thin adapter over :func:`orchestrator.sweep.launch`."""
+"""The Hydra ``Launcher`` plugin: a thin adapter over :func:`orchestrator.sweeps.launcher.launch`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from orchestrator import sweep
+from orchestrator.sweeps import launcher as sweep
 
 
 class SwitchyardLauncher(Launcher):

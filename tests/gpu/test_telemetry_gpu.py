@@ -12,18 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.telemetry import (
-    MIB,
-    MemorySampler,
-    NvmlApi,
-    load_nvml,
-    plot_run,
-    preflight,
-    record_rank_peak,
-    register_rank,
-    summarize,
-    visible_gpus,
-)
+from orchestrator.telemetry.common import MIB
+from orchestrator.telemetry.files import record_rank_peak, register_rank
+from orchestrator.telemetry.nvml import NvmlApi, load_nvml, visible_gpus
+from orchestrator.telemetry.plot import plot_run
+from orchestrator.telemetry.preflight import preflight
+from orchestrator.telemetry.sampler import MemorySampler
+from orchestrator.telemetry.summary import summarize
 
 torch = pytest.importorskip("torch")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobs import smoke
-from orchestrator import slurm_query, submit
 from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.launch import slurm_query, submit
 
 pytestmark = pytest.mark.slurm
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import slurm_query
+from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 
@@ -121,7 +121,7 @@ def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path) -> N
 
     from submitit import SlurmJob
 
-    from orchestrator import submit
+    from orchestrator.launch import submit
 
     job = SlurmJob(folder=run_dir / "submitit", job_id=job_id, tasks=tuple(range(4)))
     with pytest.raises(submit.JobFailedError) as info:

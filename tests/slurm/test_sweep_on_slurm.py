@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import sweep_probe
 
-from orchestrator import slurm_query
+from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 

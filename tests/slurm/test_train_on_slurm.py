@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import slurm_query
+from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import checkpoint, trainer
+from orchestrator.training import checkpoint, trainer
 
 
 def test_save_keeps_the_last_k_and_leaves_no_temp_files(tmp_path: Path) -> None:

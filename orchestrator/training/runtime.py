@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator import rendezvous
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.dist_env import DistEnv
+from orchestrator.launch import rendezvous
+from orchestrator.launch.dist_env import DistEnv
 
 
 class StartupMismatchError(RuntimeError):

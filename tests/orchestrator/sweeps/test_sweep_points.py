@@ -11,8 +11,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import HydraContext
 from omegaconf import DictConfig, OmegaConf
 
+import jobs.train  # noqa: F401 -- registers jobs.train's checks, as running the app does
 from orchestrator.config import register_configs
-from orchestrator.sweep import (
+from orchestrator.sweeps.launcher import (
     LauncherSettings,
     Point,
     SweepError,

@@ -535,7 +535,7 @@ def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, set
 
 def _slurm_reports(attempts: Sequence[Attempt], now: float) -> tuple[dict[str, str], set[str]]:
     """One batched query for every array: (state per task id, ids whose array has settled)."""
-    from orchestrator import slurm_query  # subprocess only; imported late to keep `status` light
+    from orchestrator.launch import slurm_query  # subprocess only; imported late to keep `status` light
 
     bases = sorted({base_id(a.slurm_id) for a in attempts if a.slurm_id})
     if not bases:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.dist_env import DistEnvError, detect, expand_tasks_per_node, first_host
+from orchestrator.launch.dist_env import DistEnvError, detect, expand_tasks_per_node, first_host
 
 SLURM_STEP = {
     "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",

@@ -27,9 +27,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from orchestrator import atomic, checkpoint, dist_env, preemption, runtime, telemetry
+from orchestrator import atomic
 from orchestrator.config import ConfigError, DataConfig, MemoryConfig, OptimConfig, TrainConfig
-from orchestrator.runtime import Runtime
+from orchestrator.launch import dist_env
+from orchestrator.telemetry.files import record_rank_peak, register_rank
+from orchestrator.telemetry.preflight import preflight
+from orchestrator.telemetry.sampler import MemorySampler
+from orchestrator.telemetry.summary import summarize
+from orchestrator.training import checkpoint, preemption, runtime
+from orchestrator.training.runtime import Runtime
 from sharding import ShardedDataset, open_dataset
 from sharding.loader import make_loader
 from sharding.partition import Policy
@@ -478,10 +484,10 @@ def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, An
     after the rendezvous; one memory sampler per node (local rank 0) runs for the whole job.
     """
     env, run = dist_env.detect(), Path(run_dir)
-    report = telemetry.preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size)
+    report = preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size)
     print(report.describe(), flush=True)
-    telemetry.register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)
-    sampler = telemetry.MemorySampler(run, env.hostname, cfg.telemetry.interval_s) \
+    register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)
+    sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
     try:
@@ -489,10 +495,10 @@ def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, An
             torch.use_deterministic_algorithms(True)
         with sampler or contextlib.nullcontext():
             summary = Trainer(cfg, paths, run, rt).run()
-        telemetry.record_rank_peak(run, env.rank, report.device_index)
+        record_rank_peak(run, env.rank, report.device_index)
         torch.distributed.barrier()  # every node's sampler has stopped and every peak is written
         if rt.is_main:
-            summary["memory"] = telemetry.summarize(run)
+            summary["memory"] = summarize(run)
             write_summary(run, summary)
             for flag in summary["memory"]["flags"]:
                 print(f"memory warning: {flag}", flush=True)

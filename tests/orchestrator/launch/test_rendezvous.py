@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orchestrator import rendezvous
-from orchestrator.dist_env import DistEnv
+from orchestrator.launch import rendezvous
+from orchestrator.launch.dist_env import DistEnv
 
 
 def make_env(rank: int, world: int, job_id: str = "j1", master: str = "127.0.0.1") -> DistEnv:

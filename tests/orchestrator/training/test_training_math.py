@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from jobs.models import RowPoolingMLP, RowTransformer
-from orchestrator import runtime, trainer
 from orchestrator.config import DataConfig, MemoryConfig, OptimConfig, TrainConfig
-from orchestrator.dist_env import DistEnv
+from orchestrator.launch.dist_env import DistEnv
+from orchestrator.training import runtime, trainer
 from sharding import collate_padded
 
 

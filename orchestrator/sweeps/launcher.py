@@ -38,9 +38,10 @@ from hydra.errors import CompactHydraException, HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestrator import atomic, dist_env, local_jobs
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
-from orchestrator.registry import Job, Registry, Submitted, TaskStatus, reconcile
+from orchestrator import atomic
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, app_check
+from orchestrator.launch import dist_env, local_jobs
+from orchestrator.sweeps.registry import Job, Registry, Submitted, TaskStatus, reconcile
 
 if TYPE_CHECKING:
     import submitit
@@ -136,11 +137,11 @@ class Resources:
 
 def resources_for(settings: LauncherSettings, groups: tuple[ClusterConfig, ParallelismConfig] | None
                   ) -> Resources:
-    from orchestrator.submit import slurm_parameters  # imports submitit: only when submitting
+    from orchestrator.launch.submit import slurm_parameters  # imports submitit: only when submitting
 
     cluster, parallelism = groups or _launcher_groups(settings)
     if settings.executor == "local":
-        # One machine: every rank of every "node" runs here, as orchestrator.submit does.
+        # One machine: every rank of every "node" runs here, as orchestrator.launch.submit does.
         params: dict[str, Any] = {"tasks_per_node": parallelism.world_size, "nodes": 1,
                                   "timeout_min": cluster.timeout_min}
     else:
@@ -301,21 +302,16 @@ def resolve_point(config: DictConfig, num: int, sweep_dir: Path) -> Path:
 
 def check_app_config(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig] | None:
     """The app's own checks; returns its cluster/parallelism groups when it has Switchyard's."""
-    from orchestrator.config import TrainConfig
-
     cluster, parallelism = task_cfg.get("cluster"), task_cfg.get("parallelism")
     if not (isinstance(cluster, DictConfig) and isinstance(parallelism, DictConfig)
             and OmegaConf.get_type(cluster) is ClusterConfig
             and OmegaConf.get_type(parallelism) is ParallelismConfig):
         return None
-    if OmegaConf.get_type(task_cfg) is TrainConfig:
-        # jobs.train's ranks skip its checks (they trust the launcher), so run them here: schema,
-        # dataset (the demo one is generated now, once), model structure.
-        from jobs import train
-
-        typed = train.load_config(task_cfg)
-        train.check_before_submit(typed)
-        return typed.cluster, typed.parallelism
+    check = app_check(OmegaConf.get_type(task_cfg))
+    if check is not None:
+        # jobs.train's ranks skip its checks (they trust the launcher), so its registered check runs
+        # here: schema, dataset (the demo one is generated now, once), model structure.
+        return check(task_cfg)
     return _typed(cluster, ClusterConfig), _typed(parallelism, ParallelismConfig)
 
 
@@ -431,7 +427,7 @@ def _run_reporting(run: Callable[[], JobReturn], report: TaskStatus, run_dir: st
     import cloudpickle
     from hydra.core.utils import JobStatus
 
-    from orchestrator.preemption import JobStopped
+    from orchestrator.training.preemption import JobStopped
 
     try:
         ret = run()
@@ -661,7 +657,7 @@ def outcome(item: Launched) -> JobReturn:
     import cloudpickle
     from hydra.core.utils import JobStatus
 
-    from orchestrator import submit
+    from orchestrator.launch import submit
 
     try:
         return cast("JobReturn", submit.results(item.job)[0])
@@ -712,7 +708,7 @@ def resubmit_failed(registry: Registry, sweep_id: int) -> list[tuple[Job, str]]:
 
 def _submit_claimed(registry: Registry, claims: dict[int, int], resources: Resources,
                     run_dirs: list[str], folder: Path) -> list[submitit.Job[Any]]:
-    from orchestrator.submit import RankEntry  # each rank's log starts with its rank and node name
+    from orchestrator.launch.submit import RankEntry  # each rank's log starts with its rank and node name
 
     try:
         jobs = make_executor(resources, folder).map_array(RankEntry(run_point), run_dirs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.submit import RankOutcome, culprits_of
+from orchestrator.launch.submit import RankOutcome, culprits_of
 
 LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
 
@@ -38,7 +38,7 @@ def test_nothing_known_names_the_ranks_without_output() -> None:
 def test_srun_report_glued_to_a_progress_bar_is_found(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
-    from orchestrator.submit import srun_task_failures
+    from orchestrator.launch.submit import srun_task_failures
 
     log = tmp_path / "9_0_log.err"
     log.write_text("train:   0%|  | 5/100 [00:00<?, loss=0.07]srun: error: n2: task 2: Killed\n"

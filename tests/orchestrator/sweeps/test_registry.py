@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.registry import (
+from orchestrator.sweeps.registry import (
     SUBMIT_FAILED,
     SUBMITTED,
     SUBMITTING,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from orchestrator import runtime
-from orchestrator.dist_env import DistEnv
+from orchestrator.launch.dist_env import DistEnv
+from orchestrator.training import runtime
 
 # Small enough to finish in seconds on 2 cores, big enough that the loss visibly drops.
 SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16", "log_every_steps=5"]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.registry import Job, Observation, Registry, Submitted, TaskStatus
-from orchestrator.status import (
+from orchestrator.sweeps.registry import Job, Observation, Registry, Submitted, TaskStatus
+from orchestrator.sweeps.status import (
     CommandError,
     Ref,
     cmd_show,

@@ -19,8 +19,8 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
-from orchestrator import dist_env, local_jobs
 from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.launch import dist_env, local_jobs
 
 R = TypeVar("R")
 

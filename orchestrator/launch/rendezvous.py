@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator import atomic
-from orchestrator.dist_env import DistEnv
+from orchestrator.launch.dist_env import DistEnv
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -103,7 +103,7 @@ def init_process_group(env: DistEnv, rdzv_dir: Path, *, backend: str = "auto",
                        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> str:
     """Join the job's process group; returns the backend used.
 
-    On GPU the caller sets the device from the local rank first (see ``orchestrator.runtime``), so
+    On GPU the caller sets the device from the local rank first (see ``orchestrator.training.runtime``), so
     NCCL's communicator never lands on GPU 0 for every rank.
     """
     chosen = choose_backend(backend)

@@ -6,8 +6,8 @@ import io
 import json
 from pathlib import Path
 
-from orchestrator.registry import Job, Registry
-from orchestrator.status import cmd_show, cmd_status
+from orchestrator.sweeps.registry import Job, Registry
+from orchestrator.sweeps.status import cmd_show, cmd_status
 
 GIB = 2**30
 # The shape telemetry.summarize writes into summary.json, for the "GPU 0 holds extra memory" case.

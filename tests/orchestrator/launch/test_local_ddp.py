@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobs import smoke
-from orchestrator import submit
 from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.launch import submit
 
 
 def test_local_mode_runs_every_rank(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from orchestrator import local_jobs, telemetry
-from orchestrator.registry import (
+from orchestrator.launch import local_jobs
+from orchestrator.sweeps.registry import (
     RETRY_STATES,
     TERMINAL_STATES,
     Attempt,
@@ -33,6 +33,8 @@ from orchestrator.registry import (
     default_path,
     reconcile,
 )
+from orchestrator.telemetry.files import telemetry_dir
+from orchestrator.telemetry.summary import format_summary, summarize
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
                  "PENDING": "33", "SUBMITTED": "33", "SUBMITTING": "33", "REQUEUED": "33",
@@ -160,10 +162,10 @@ def job_memory(run_dir: str) -> dict[str, Any] | None:
         return memory if isinstance(memory, dict) else None
     except (OSError, ValueError):
         pass
-    if not telemetry.telemetry_dir(Path(run_dir)).is_dir():
+    if not telemetry_dir(Path(run_dir)).is_dir():
         return None
     try:
-        return telemetry.summarize(Path(run_dir))
+        return summarize(Path(run_dir))
     except (OSError, ValueError, KeyError):  # files being written right now: show nothing yet
         return None
 
@@ -406,7 +408,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                         "ERROR"], cells, [{2: paint(a.state, colour)} for a in attempts]), file=out)
     memory = job_memory(job.run_dir)
     if memory:
-        print("\n" + telemetry.format_summary(memory), file=out)
+        print("\n" + format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
     return 0
 
@@ -454,7 +456,7 @@ def _cancel_local(attempts: list[Attempt], grace_s: float) -> list[Attempt]:
 
 def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
                  out: IO[str] = sys.stdout) -> int:
-    from orchestrator import sweep as sweeps  # submitit: only when submitting
+    from orchestrator.sweeps import launcher as sweeps  # submitit: only when submitting
 
     if not failed:
         raise CommandError("say which jobs to resubmit: --failed (failed, timed-out or cancelled)")

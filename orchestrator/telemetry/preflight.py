@@ -1,0 +1,98 @@
+"""Preflight, on every rank before the process group starts: the node shows the GPUs the job asked
+for, this local rank has its own, and each GPU's free memory goes into the rank's log.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from orchestrator.telemetry.common import PreflightError, gib
+from orchestrator.telemetry.nvml import NvmlApi, NvmlChoice, describe_visible, resolve_nvml, visible_gpus
+
+# Preflight: less free than this before training means another job or a stale process holds the GPU.
+PREFLIGHT_FREE_WARN_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    index: int  # NVML index
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    local_rank: int
+    device_index: int | None  # the CUDA ordinal this rank should use; None for CPU training
+    device_nvml_index: int | None
+    gpus: tuple[GpuMemory, ...] = ()  # every GPU this rank sees, with its free memory now
+    warnings: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line for the rank's log."""
+        if self.device_index is None:
+            return f"preflight local rank {self.local_rank}: CPU training, no GPU checks"
+        free = ", ".join(f"GPU {g.index} {gib(g.free_bytes)}/{gib(g.total_bytes)} GiB" for g in self.gpus)
+        nvml = "a MIG instance" if self.device_nvml_index is None else f"GPU {self.device_nvml_index}"
+        line = (f"preflight local rank {self.local_rank}: cuda:{self.device_index} ({nvml}); "
+                f"free memory: {free}")
+        return "; ".join([line, *self.warnings])
+
+
+def preflight(gpus_per_node: int, local_rank: int, local_world_size: int,
+              nvml: NvmlApi | NvmlChoice | None = "auto",
+              environ: Mapping[str, str] | None = None) -> PreflightReport:
+    """Before training: this node shows ``gpus_per_node`` GPUs and this local rank has its own.
+
+    Two layouts pass: every rank sees all the node's GPUs (rank uses ``cuda:<local_rank>``), or
+    SLURM binds one GPU per task (each rank sees one, ``cuda:0``). Raises :class:`PreflightError`.
+    """
+    if gpus_per_node == 0:
+        return PreflightReport(local_rank=local_rank, device_index=None, device_nvml_index=None)
+    env = os.environ if environ is None else environ
+    api = resolve_nvml(nvml)
+    if api is None:
+        raise PreflightError(
+            f"parallelism.gpus_per_node={gpus_per_node} but this node has no NVIDIA driver (NVML did not "
+            f"load): run on a GPU node (--gpus-per-node={gpus_per_node}) or set "
+            f"parallelism.gpus_per_node=0 for CPU training")
+    visible = visible_gpus(api, env)
+    device = _device_for_rank(gpus_per_node, local_rank, local_world_size, len(visible), env)
+    gpus = tuple(_gpu_memory(api, i) for i in visible if i is not None)
+    return PreflightReport(local_rank=local_rank, device_index=device, device_nvml_index=visible[device],
+                           gpus=gpus, warnings=tuple(_busy_warnings(gpus)))
+
+
+def _device_for_rank(gpus_per_node: int, local_rank: int, local_world_size: int, num_visible: int,
+                     env: Mapping[str, str]) -> int:
+    where = describe_visible(env)
+    if num_visible == 1 and local_world_size == gpus_per_node:
+        return 0  # one GPU bound per task (--gpus-per-task=1 or --gpu-bind): every rank uses cuda:0
+    if num_visible != gpus_per_node:
+        raise PreflightError(
+            f"parallelism.gpus_per_node={gpus_per_node} but this node shows {num_visible} GPUs ({where}): "
+            f"request --gpus-per-node={gpus_per_node} or set parallelism.gpus_per_node={num_visible}")
+    if local_rank >= num_visible:
+        raise PreflightError(
+            f"local rank {local_rank} has no GPU of its own: this node runs {local_world_size} ranks but "
+            f"shows {num_visible} GPUs ({where}): launch one rank per GPU (--ntasks-per-node={num_visible})")
+    if local_world_size != gpus_per_node:
+        raise PreflightError(
+            f"this node runs {local_world_size} ranks but parallelism.gpus_per_node={gpus_per_node}: "
+            f"{gpus_per_node - local_world_size} GPU(s) would stay idle; launch one rank per GPU "
+            f"(--ntasks-per-node={gpus_per_node})")
+    return local_rank
+
+
+def _gpu_memory(nvml: NvmlApi, index: int) -> GpuMemory:
+    mem = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
+    return GpuMemory(index=index, free_bytes=int(mem.free), total_bytes=int(mem.total))
+
+
+def _busy_warnings(gpus: Iterable[GpuMemory]) -> Iterator[str]:
+    for g in gpus:
+        if g.free_bytes < PREFLIGHT_FREE_WARN_FRACTION * g.total_bytes:
+            yield (f"GPU {g.index} has only {gib(g.free_bytes)} of {gib(g.total_bytes)} GiB free before "
+                   f"training: another job or a stale process holds it (nvidia-smi shows which)")

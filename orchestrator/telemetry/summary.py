@@ -1,0 +1,122 @@
+"""The ``memory`` section of summary.json (per-GPU and per-rank peaks, flags, notes), and it as text."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+
+from orchestrator.telemetry.common import Record, gib, rank_list
+from orchestrator.telemetry.files import RankInfo, load_peaks, load_ranks, telemetry_dir
+from orchestrator.telemetry.flags import cross_device_flags, idle_flags, imbalance_flags, uss_imbalance_flags
+from orchestrator.telemetry.stats import GpuStats, RankStats, gpu_stats, load_records, rank_stats
+
+
+def summarize(run_dir: Path) -> Record:
+    """The ``memory`` section of summary.json: per-GPU and per-rank peaks, and flags. JSON-serialisable.
+
+    Works on a run still in progress (it reads what has been sampled so far) and on one that
+    recorded nothing (mode ``"none"``).
+    """
+    return summarize_records(run_dir, load_records(run_dir))
+
+
+def summarize_records(run_dir: Path, records: list[Record]) -> Record:
+    ranks = {r.rank: r for r in load_ranks(run_dir)}
+    peaks = load_peaks(run_dir)
+    gpus, cpu_ranks = gpu_stats(records), rank_stats(records)
+    flags = idle_flags(gpus) + imbalance_flags(gpus) + cross_device_flags(gpus, ranks, peaks) \
+        + uss_imbalance_flags(cpu_ranks)
+    return {"mode": "gpu" if gpus else "cpu" if cpu_ranks else "none",
+            **_sampling(records),
+            "gpus": [_gpu_summary(g) for g in gpus],
+            "ranks": _ranks_summary(ranks, peaks, cpu_ranks),
+            "nodes": _node_totals(records),
+            "flags": flags,
+            "notes": _notes(records, run_dir)}
+
+
+def _sampling(records: list[Record]) -> Record:
+    costs = [float(r["sample_s"]) for r in records if "sample_s" in r]
+    return {"num_samples": len(records),
+            "duration_s": round(records[-1]["t"] - records[0]["t"], 3) if records else 0.0,
+            "sample_cost_ms": {"mean": round(1e3 * statistics.fmean(costs), 3) if costs else None,
+                               "max": round(1e3 * max(costs), 3) if costs else None}}
+
+
+def _gpu_summary(g: GpuStats) -> Record:
+    util = g.mean_util_pct
+    return {"node": g.node, "index": g.index, "total_bytes": g.total_bytes,
+            "peak_used_bytes": g.peak_used_bytes,
+            "mean_util_pct": None if util is None else round(util, 1), "ranks": sorted(g.ranks),
+            "processes": [{"rank": r, "peak_used_bytes": b} for r, b in sorted(g.process_peaks.items())]}
+
+
+def _ranks_summary(ranks: Mapping[int, RankInfo], peaks: Mapping[int, Record],
+                   cpu_ranks: list[RankStats]) -> list[Record]:
+    sampled = {s.rank: s for s in cpu_ranks}
+    result = []
+    for rank in sorted(set(ranks) | set(peaks) | set(sampled)):
+        info, s = ranks.get(rank), sampled.get(rank)
+        result.append({"rank": rank, "node": info.node if info else (s.node if s else None),
+                       "local_rank": info.local_rank if info else None, "pid": info.pid if info else None,
+                       "device": info.device if info else None,
+                       "peak_rss_bytes": s.peak_rss_bytes if s else None,
+                       "peak_uss_bytes": s.peak_uss_bytes if s else None,
+                       "end": peaks.get(rank)})
+    return result
+
+
+def _node_totals(records: list[Record]) -> list[Record]:
+    """CPU mode: the node's peak of summed RSS (counts shared pages once per rank) and summed USS (private).
+
+    Summed USS near summed RSS means every rank holds its own copy (a dataset loaded per process);
+    summed USS far below it means the ranks share pages (memory-mapped shards, fork). USS is read
+    less often than RSS, so each rank's last reading stands in until the next.
+    """
+    totals: dict[str, Record] = {}
+    last_uss: dict[tuple[str, int], int] = {}
+    for record in records:
+        if not record.get("ranks"):
+            continue
+        node = record["node"]
+        t = totals.setdefault(node, {"node": node, "peak_total_rss_bytes": 0, "peak_total_uss_bytes": 0})
+        for r in record["ranks"]:
+            if r.get("uss_bytes") is not None:
+                last_uss[(node, r["rank"])] = r["uss_bytes"]
+        rss = sum(r["rss_bytes"] for r in record["ranks"])
+        uss = sum(last_uss.get((node, r["rank"]), 0) for r in record["ranks"])
+        t["peak_total_rss_bytes"] = max(t["peak_total_rss_bytes"], rss)
+        t["peak_total_uss_bytes"] = max(t["peak_total_uss_bytes"], uss)
+    return [totals[n] for n in sorted(totals)]
+
+
+def _notes(records: list[Record], run_dir: Path) -> list[str]:
+    notes = []
+    if not records:
+        notes.append(f"no telemetry samples in {telemetry_dir(run_dir)}: was the memory sampler started?")
+    listed = [p for r in records for g in r.get("gpus") or [] for p in g.get("processes") or []]
+    if listed and all(p.get("rank") is None for p in listed):
+        notes.append("NVML's process ids match no rank's pid (a container's PID namespace?): per-rank GPU "
+                     "memory comes from torch's allocator at the end of the run only")
+    return notes
+
+
+def format_summary(memory: Record) -> str:
+    """The memory section as text, for ``switchyard status``."""
+    lines = [f"memory ({memory['mode']}, {memory['num_samples']} samples over {memory['duration_s']:.0f} s, "
+             f"{memory['sample_cost_ms']['mean'] or 0:.2f} ms per sample)"]
+    for g in memory["gpus"]:
+        util = "  n/a" if g["mean_util_pct"] is None else f"{g['mean_util_pct']:4.0f}%"
+        lines.append(f"  {g['node']} GPU {g['index']}: peak {gib(g['peak_used_bytes']):>5} / "
+                     f"{gib(g['total_bytes'])} GiB, mean util {util}, {rank_list(g['ranks'])}")
+    if memory["mode"] == "cpu":
+        for r in memory["ranks"]:
+            uss = "n/a" if r["peak_uss_bytes"] is None else gib(r["peak_uss_bytes"])
+            lines.append(f"  {r['node']} rank {r['rank']}: peak RSS {gib(r['peak_rss_bytes'] or 0)} GiB, "
+                         f"USS {uss} GiB")
+        for n in memory["nodes"]:
+            lines.append(f"  {n['node']} all ranks: peak RSS {gib(n['peak_total_rss_bytes'])} GiB, "
+                         f"USS {gib(n['peak_total_uss_bytes'])} GiB")
+    lines += [f"  ! {flag}" for flag in memory["flags"]] + [f"  note: {note}" for note in memory["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""CUDA ordinals to NVML indices, and preflight against a scripted NVML.
+
+The fake NVML (``tests/fake_nvml.py``) is injected at the module boundary (``nvml=`` arguments).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_nvml import NO_ENV, FakeGpu, FakeNvml
+
+from orchestrator.telemetry.common import GIB, MIB, PreflightError
+from orchestrator.telemetry.nvml import load_nvml, visible_gpus
+from orchestrator.telemetry.preflight import preflight
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    (None, [0, 1, 2, 3]), ("", []), ("2,3", [2, 3]), (" 3 , 1 ", [3, 1]), ("1,-1,2", [1]), ("0,7,1", [0]),
+    ("GPU-00000002", [2]), ("GPU-00000003-aaaa-bbbb-cccc-000000000003,0", [3, 0]), ("00000001", [1]),
+    ("GPU-0000000", []),  # a prefix matching several UUIDs names no GPU
+    ("MIG-5f1a,1", [None, 1]),
+])
+def test_visible_gpus_map_cuda_ordinals_to_nvml_indices(spec: str | None, expected: list[int | None]) -> None:
+    fake = FakeNvml([FakeGpu(used=[0], util=[0]) for _ in range(4)])
+    assert visible_gpus(fake, {} if spec is None else {"CUDA_VISIBLE_DEVICES": spec}) == expected
+
+
+def four_free_gpus() -> FakeNvml:
+    return FakeNvml([FakeGpu(used=[500 * MIB], util=[0]) for _ in range(4)])
+
+
+def test_preflight_reports_this_ranks_device_and_free_memory() -> None:
+    report = preflight(4, local_rank=2, local_world_size=4, nvml=four_free_gpus(), environ=NO_ENV)
+    assert (report.device_index, report.device_nvml_index, report.warnings) == (2, 2, ())
+    assert report.describe() == ("preflight local rank 2: cuda:2 (GPU 2); free memory: GPU 0 79.5/80.0 GiB, "
+                                 "GPU 1 79.5/80.0 GiB, GPU 2 79.5/80.0 GiB, GPU 3 79.5/80.0 GiB")
+
+
+def test_preflight_accepts_one_gpu_bound_per_task() -> None:
+    report = preflight(4, local_rank=3, local_world_size=4, nvml=four_free_gpus(),
+                       environ={"CUDA_VISIBLE_DEVICES": "3"})
+    assert (report.device_index, report.device_nvml_index) == (0, 3)
+
+
+def test_preflight_count_mismatch_names_numbers_and_fix() -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight(4, local_rank=0, local_world_size=4, nvml=four_free_gpus(),
+                  environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert str(info.value) == ("parallelism.gpus_per_node=4 but this node shows 2 GPUs "
+                               "(CUDA_VISIBLE_DEVICES=0,1): request --gpus-per-node=4 or set "
+                               "parallelism.gpus_per_node=2")
+
+
+def test_preflight_local_rank_beyond_visible_devices() -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight(4, local_rank=5, local_world_size=6, nvml=four_free_gpus(), environ=NO_ENV)
+    assert str(info.value) == ("local rank 5 has no GPU of its own: this node runs 6 ranks but shows 4 GPUs "
+                               "(CUDA_VISIBLE_DEVICES unset): launch one rank per GPU (--ntasks-per-node=4)")
+    # every rank fails the same way, not only the ones past the end
+    with pytest.raises(PreflightError, match=r"^this node runs 6 ranks but parallelism.gpus_per_node=4"):
+        preflight(4, local_rank=0, local_world_size=6, nvml=four_free_gpus(), environ=NO_ENV)
+
+
+def test_preflight_fewer_ranks_than_gpus_would_leave_gpus_idle() -> None:
+    with pytest.raises(PreflightError, match=r"runs 3 ranks but .*gpus_per_node=4: 1 GPU\(s\) would"):
+        preflight(4, local_rank=0, local_world_size=3, nvml=four_free_gpus(), environ=NO_ENV)
+
+
+def test_preflight_without_driver_is_a_clear_error_and_cpu_training_is_a_no_op() -> None:
+    with pytest.raises(PreflightError, match=r"gpus_per_node=2 but this node has no NVIDIA driver"):
+        preflight(2, 0, 2, nvml=None, environ=NO_ENV)
+    report = preflight(0, 1, 2, nvml=None, environ=NO_ENV)
+    assert report.device_index is None and "CPU training" in report.describe()
+
+
+def test_preflight_warns_about_a_gpu_already_in_use() -> None:
+    fake = four_free_gpus()
+    fake.gpus[1].used = [30 * GIB]
+    report = preflight(4, 0, 4, nvml=fake, environ=NO_ENV)
+    assert report.warnings == ("GPU 1 has only 50.0 of 80.0 GiB free before training: another job or a "
+                               "stale process holds it (nvidia-smi shows which)",)
+
+
+def test_load_nvml_is_none_without_the_driver() -> None:
+    if Path("/proc/driver/nvidia").exists():
+        pytest.skip("this machine has NVIDIA's driver")
+    assert load_nvml() is None
