@@ -12,7 +12,9 @@ from orchestrator.localcluster import cluster
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    layout = cluster.Layout.from_env(args.state_dir)
+    if args.gpus < 0:
+        raise cluster.ClusterError(f"--gpus {args.gpus} is invalid: must be >= 0 (try --gpus 2)")
+    layout = cluster.Layout.from_env(args.state_dir, gpus_per_node=args.gpus)
     if args.action == "up":
         cluster.up(layout, install=not args.no_install, timeout_s=args.timeout_s)
         print(cluster.status(layout)[1])
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail instead of installing missing Debian packages")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="how long up waits for the nodes to become idle")
+    p.add_argument("--gpus", type=int, default=cluster.DEFAULT_GPUS_PER_NODE, metavar="N",
+                   help="GPUs each node advertises as GRES (character devices, no hardware; 0: none; "
+                        f"default {cluster.DEFAULT_GPUS_PER_NODE})")
     p.set_defaults(func=_cluster)
 
     p = sub.add_parser("verify", help="check a sharded dataset: structure and every file's checksum")

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,10 @@ HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARKER = "# switchyard local cluster"
 DB_NAME = "slurm_acct_db"
 DB_USER = "slurm"
+# GPUs each node advertises as GRES. No hardware: each "GPU" is a character device with /dev/null's
+# numbers; SLURM binds them per task all the same (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS), and that
+# binding is what Switchyard's GPU path reads. 2 per node: one per task of a 2 x 2 job.
+DEFAULT_GPUS_PER_NODE = 2
 
 
 class ClusterError(RuntimeError):
@@ -53,6 +58,14 @@ class Layout:
     first_slurmd_port: int = 17001
     mysql_port: int = 13306
     hostname: str = field(default_factory=socket.gethostname)
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+
+    @property
+    def gres_conf(self) -> Path:
+        return self.state_dir / "etc" / "gres.conf"  # slurmd reads it beside slurm.conf
+
+    def gpu_devices(self) -> list[Path]:
+        return [self.state_dir / "dev" / f"gpu{i}" for i in range(self.gpus_per_node)]
 
     @property
     def slurm_conf(self) -> Path:
@@ -87,9 +100,10 @@ class Layout:
         return self.first_slurmd_port + self.node_names.index(node)
 
     @classmethod
-    def from_env(cls, state_dir: str | os.PathLike[str] | None = None) -> Layout:
+    def from_env(cls, state_dir: str | os.PathLike[str] | None = None,
+                 gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> Layout:
         chosen = state_dir or os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR
-        return cls(state_dir=Path(chosen).absolute())
+        return cls(state_dir=Path(chosen).absolute(), gpus_per_node=gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -268,6 +282,8 @@ def render_slurm_conf(layout: Layout, cpus: int, memory_mb: int) -> str:
         else ",".join(nodes)
     last_port = layout.first_slurmd_port + len(nodes) - 1
     s = layout.state_dir
+    gres_types, gres = ("GresTypes=gpu\n", f" Gres=gpu:{layout.gpus_per_node}") if layout.gpus_per_node \
+        else ("", "")
     return f"""\
 # Written by `switchyard cluster up`; edits are overwritten.
 ClusterName={layout.cluster_name}
@@ -296,16 +312,35 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort={layout.slurmdbd_port}
 JobCompType=jobcomp/none
-KillWait=5
+{gres_types}KillWait=5
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=60
 SlurmdTimeout=60
 MessageTimeout=30
 NodeName={node_range} NodeHostname={layout.hostname} NodeAddr=127.0.0.1 \
-Port={layout.first_slurmd_port}-{last_port} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+Port={layout.first_slurmd_port}-{last_port} CPUs={cpus} RealMemory={memory_mb}{gres} State=UNKNOWN
 PartitionName=debug Nodes={node_range} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+
+
+def render_gres_conf(layout: Layout) -> str:
+    devices = layout.gpu_devices()
+    files = f"{devices[0].parent}/gpu[0-{len(devices) - 1}]" if len(devices) > 1 else str(devices[0])
+    return f"""\
+# Written by `switchyard cluster up`; edits are overwritten.
+NodeName={",".join(layout.node_names)} Name=gpu File={files}
+"""
+
+
+def make_gpu_devices(layout: Layout) -> None:
+    """One character device per advertised GPU, with /dev/null's numbers (1, 3): nothing to drive."""
+    for path in layout.gpu_devices():
+        if path.exists() and stat.S_ISCHR(path.stat().st_mode):
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
 
 
 def render_slurmdbd_conf(layout: Layout, db_password: str) -> str:
@@ -347,14 +382,22 @@ def _db_password(layout: Layout) -> str:
     return password
 
 
-def write_configs(layout: Layout) -> None:
+def write_configs(layout: Layout) -> bool:
+    """Write every config file; True when slurm.conf or gres.conf changed (the daemons must restart)."""
     for sub in ("etc", "run", "log", "slurmctld", "slurmd"):
         (layout.state_dir / sub).mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count() or 1
-    _write_if_changed(layout.slurm_conf, render_slurm_conf(layout, cpus, node_memory_mb()))
+    changed = _write_if_changed(layout.slurm_conf, render_slurm_conf(layout, cpus, node_memory_mb()))
+    if layout.gpus_per_node:
+        make_gpu_devices(layout)
+        changed |= _write_if_changed(layout.gres_conf, render_gres_conf(layout))
+    elif layout.gres_conf.exists():
+        layout.gres_conf.unlink()
+        changed = True
     _write_if_changed(layout.slurmdbd_conf, render_slurmdbd_conf(layout, _db_password(layout)), 0o600)
     link_etc_slurm_conf(layout)
     add_hosts_entry(layout)
+    return changed
 
 
 def link_etc_slurm_conf(layout: Layout) -> None:
@@ -486,13 +529,27 @@ def up(layout: Layout, *, install: bool = True, timeout_s: float = 120) -> None:
     check_root()
     ensure_packages(install=install)
     check_ports(layout)
-    write_configs(layout)
+    if write_configs(layout):
+        restart_slurm(layout)
     for daemon in daemons(layout):
         if running_pid(daemon) is not None:
             continue
         print(f"starting {daemon.name} ...", flush=True)
         _starter(daemon)(layout, daemon)
     wait_until_ready(layout, timeout_s)
+
+
+def restart_slurm(layout: Layout) -> None:
+    """The node definition changed (GPUs added or removed): slurmctld and every slurmd must reread it.
+
+    They are stopped here and started again by ``up``; munged, MariaDB and slurmdbd keep running.
+    """
+    for daemon in reversed(daemons(layout)):
+        pid = running_pid(daemon)
+        if pid is not None and daemon.comm in ("slurmd", "slurmctld"):
+            print(f"restarting {daemon.name}: the cluster's node definition changed", flush=True)
+            _terminate(pid, 20)
+            daemon.pid_file.unlink(missing_ok=True)
 
 
 def nodes_idle(layout: Layout) -> bool:
@@ -544,7 +601,7 @@ def status(layout: Layout) -> tuple[bool, str]:
         lines.append(f"  {daemon.name:<12} {state}")
         all_up &= pid is not None
     if running_pid(daemons(layout)[3]) is not None:
-        sinfo = _run(["sinfo", "-N", "-o", "%N %P %t %c %m"], check=False).stdout.rstrip()
+        sinfo = _run(["sinfo", "-N", "-o", "%N %P %t %c %m %G"], check=False).stdout.rstrip()
         lines += ["", sinfo]
     return all_up, "\n".join(lines)
 
