@@ -98,18 +98,32 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
+def group_backend(device_backend: str) -> str:
+    """The process group's backend string for a device backend.
+
+    NCCL moves only CUDA tensors: on an NCCL-only group, an all_reduce of a CPU tensor (a stop flag,
+    a count) fails with "No backend type associated with device type cpu". So any backend other than
+    gloo gets gloo beside it for CPU tensors: ``cpu:gloo,cuda:nccl``. Each collective then goes to
+    the backend of its tensor's device: gradients and device-resident metrics over NCCL, control
+    values (CPU tensors, pickled objects) over gloo, off the GPU's stream.
+    """
+    return "gloo" if device_backend == "gloo" else f"cpu:gloo,cuda:{device_backend}"
+
+
 def init_process_group(env: DistEnv, rdzv_dir: Path, *, backend: str = "auto",
+                       device: torch.device | None = None,
                        rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
                        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> str:
-    """Join the job's process group; returns the backend used.
+    """Join the job's process group; returns the device backend used (``nccl`` or ``gloo``).
 
-    On GPU the caller sets the device from the local rank first (see ``orchestrator.training.runtime``), so
-    NCCL's communicator never lands on GPU 0 for every rank.
+    On GPU the caller sets the device from the local rank first (see ``orchestrator.training.runtime``)
+    and passes it as ``device``: NCCL's communicator is bound to it, never to GPU 0 for every rank.
     """
     chosen = choose_backend(backend)
     store = start_store(env, rdzv_dir, rendezvous_timeout_s)
-    dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    dist.init_process_group(group_backend(chosen), store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout_s),
+                            device_id=device if device is not None and device.type == "cuda" else None)
     return chosen
 
 

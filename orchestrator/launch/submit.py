@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,13 +46,36 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
         executor: submitit.Executor = submitit.LocalExecutor(folder=folder)
-        # One machine: all ranks of all "nodes" run here, so multi-node configs still run locally.
-        executor.update_parameters(tasks_per_node=parallelism.world_size, nodes=1,
-                                   timeout_min=cluster.timeout_min)
+        executor.update_parameters(**local_parameters(cluster, parallelism))
         return executor
     slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     slurm.update_parameters(**slurm_parameters(cluster, parallelism))
     return slurm
+
+
+def local_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
+                     environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """submitit LocalExecutor parameters: every rank of every "node" runs on this machine.
+
+    The GPUs are handed over explicitly: the LocalExecutor sets its tasks' ``CUDA_VISIBLE_DEVICES``
+    from ``gpus_per_node`` and hides every GPU when it is not given. It also numbers the GPUs from 0,
+    ignoring what this process was shown; so this process's own ``CUDA_VISIBLE_DEVICES`` (a GPU
+    workstation shared by ``CUDA_VISIBLE_DEVICES=2,3``) is passed on: its indices as
+    ``visible_gpus``, or, for UUIDs and MIG instances, re-exported before the ranks start.
+    """
+    params: dict[str, Any] = {"tasks_per_node": parallelism.world_size, "nodes": 1,
+                              "timeout_min": cluster.timeout_min}
+    gpus = parallelism.gpus_per_node
+    if gpus == 0:
+        return params
+    params["gpus_per_node"] = gpus
+    spec = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in spec.split(",") if e.strip()] if spec else []
+    if entries and all(re.fullmatch(r"\d+", e) for e in entries):
+        params["visible_gpus"] = tuple(int(e) for e in entries)
+    elif entries:
+        params["setup"] = [f"export CUDA_VISIBLE_DEVICES={shlex.quote(','.join(entries[:gpus]))}"]
+    return params
 
 
 def slurm_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig) -> dict[str, Any]:

@@ -137,15 +137,11 @@ class Resources:
 
 def resources_for(settings: LauncherSettings, groups: tuple[ClusterConfig, ParallelismConfig] | None
                   ) -> Resources:
-    from orchestrator.launch.submit import slurm_parameters  # imports submitit: only when submitting
+    from orchestrator.launch.submit import local_parameters, slurm_parameters  # imports submitit
 
     cluster, parallelism = groups or _launcher_groups(settings)
-    if settings.executor == "local":
-        # One machine: every rank of every "node" runs here, as orchestrator.launch.submit does.
-        params: dict[str, Any] = {"tasks_per_node": parallelism.world_size, "nodes": 1,
-                                  "timeout_min": cluster.timeout_min}
-    else:
-        params = slurm_parameters(cluster, parallelism)
+    params = local_parameters(cluster, parallelism) if settings.executor == "local" \
+        else slurm_parameters(cluster, parallelism)
     return Resources(settings.executor, params, cluster.max_requeues, settings.array_parallelism,
                      "cluster" if groups else "hydra.launcher")
 

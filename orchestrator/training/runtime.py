@@ -49,7 +49,7 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
     # Ranks sharing a node share its cores: without a budget each would start one thread per core.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
     backend = rendezvous.init_process_group(
-        env, rdzv_dir, backend=parallelism.backend,
+        env, rdzv_dir, backend=parallelism.backend, device=device,
         rendezvous_timeout_s=cluster.rendezvous_timeout_s,
         collective_timeout_s=cluster.collective_timeout_s)
     return Runtime(env=env, device=device, backend=backend)
@@ -135,11 +135,16 @@ def agree(rt: Runtime, **values: int | str) -> None:
                                "\nCheck that every node sees the same dataset files and config.")
 
 
-def global_mean(rt: Runtime, total: float, count: float) -> tuple[float, float]:
-    """(sum over ranks of total / sum over ranks of count, global count): the correct mean."""
-    t = torch.tensor([total, count], dtype=torch.float64)
-    dist.all_reduce(t)
-    return (float(t[0] / t[1]) if t[1] > 0 else float("nan")), float(t[1])
+def global_mean(rt: Runtime, sums: torch.Tensor) -> tuple[float, float]:
+    """``sums`` is [total, count] on any device: (sum of totals / sum of counts over ranks, global count).
+
+    The tensor is reduced where it lives (on a GPU run: the model's device, over NCCL), so nothing is
+    copied to the host per step; reading the result is one host-device sync, for log steps only.
+    """
+    reduced = sums.detach().to(torch.float64, copy=True)
+    dist.all_reduce(reduced)
+    total, count = reduced.tolist()
+    return (total / count if count > 0 else float("nan")), count
 
 
 def gather(rt: Runtime, value: Any) -> list[Any]:

@@ -3,6 +3,11 @@
 Loss and metrics treat padding entries (``is_pad``, from the sampler's ``pad`` policy) as absent:
 they keep every rank's batch count equal without counting any sample twice. Metrics are reduced
 as global sum / global count over all ranks, never one rank's view.
+
+Written for the GPU: a step that does not log never reads a device value on the host (no
+``.item()``, no ``float()`` of the loss). Loss sums and sample counts accumulate on the model's
+device and are reduced there at log steps; the one value read every step, the stop flag, is a CPU
+tensor that rides the process group's gloo backend (``cpu:gloo,cuda:nccl``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
 from orchestrator.training import checkpoint, preemption, runtime
+from orchestrator.training.device_batches import to_device
 from orchestrator.training.runtime import Runtime
 from sharding import ShardedDataset, open_dataset
 from sharding.loader import make_loader
@@ -142,9 +148,15 @@ def peak_memory_bytes(device: torch.device) -> int:
 # One micro-step and evaluation
 
 
+def step_fields(data: DataConfig) -> tuple[str, ...]:
+    """The batch fields a step reads on the device; the rest stay on the host."""
+    return data.input_field, f"{data.input_field}_mask", data.target_field, "is_pad"
+
+
 def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.device,
-               denominator: float) -> tuple[torch.Tensor, float, float]:
-    """(loss for backward, sum of per-sample losses, number of real samples) of one batch.
+               denominator: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss for backward, sum of per-sample losses, number of real samples) of one batch, all
+    tensors on ``device``: reading them on the host would stall the GPU.
 
     The loss divides by a fixed denominator (batch size x accumulation steps) rather than by this
     batch's real count, so k accumulated micro-batches give exactly the gradient of one batch k
@@ -154,40 +166,50 @@ def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.d
     x = batch[field].to(device, non_blocking=True)
     mask = batch[f"{field}_mask"].to(device, non_blocking=True)
     y = batch[target].to(device, non_blocking=True)
-    real = (~batch["is_pad"]).to(device)
+    real = (~batch["is_pad"].to(device, non_blocking=True))
     with autocast(device, cfg.memory.amp):
         logits = model(x, mask)
     per_sample = F.cross_entropy(logits.float(), y, reduction="none") * real
     total = per_sample.sum()
-    return total / denominator, float(total.detach()), float(real.sum())
+    return total / denominator, total.detach(), real.sum()
+
+
+def new_sums(device: torch.device) -> torch.Tensor:
+    """[loss sum, real-sample count], accumulated on the device (float64: exact counts past 2**24)."""
+    return torch.zeros(2, dtype=torch.float64, device=device)
+
+
+def add_to_sums(sums: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> None:
+    sums += torch.stack((total.to(torch.float64), count.to(torch.float64)))
 
 
 def backward_micro_batches(model: DistributedDataParallel, batches: list[Batch], cfg: TrainConfig,
-                           device: torch.device, scaler: torch.amp.GradScaler) -> tuple[float, float]:
-    """Accumulate gradients over micro-batches; DDP all-reduces only on the last (``no_sync``)."""
+                           device: torch.device, scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """Accumulate gradients over micro-batches; DDP all-reduces only on the last (``no_sync``).
+
+    Returns [loss sum, real-sample count] on ``device``.
+    """
     denominator = float(cfg.data.batch_size * len(batches))
-    total, count = 0.0, 0.0
+    sums = new_sums(device)
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1
         with contextlib.nullcontext() if sync else model.no_sync():
             loss, batch_total, batch_count = batch_loss(model, batch, cfg, device, denominator)
             scaler.scale(loss).backward()
-        total += batch_total
-        count += batch_count
-    return total, count
+        add_to_sums(sums, batch_total, batch_count)
+    return sums
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, rt: Runtime) -> tuple[float, int]:
     """(global mean eval loss, number of samples counted): every eval sample exactly once."""
     model.eval()
-    total, count = 0.0, 0.0
-    for batch in loader:
+    sums = new_sums(rt.device)
+    for batch in to_device(loader, rt.device, step_fields(cfg.data)):
         _, batch_total, batch_count = batch_loss(model, batch, cfg, rt.device, 1.0)
-        total += batch_total
-        count += batch_count
+        add_to_sums(sums, batch_total, batch_count)
     model.train()
-    mean, global_count = runtime.global_mean(rt, total, count)
+    mean, global_count = runtime.global_mean(rt, sums)  # the one host read of the evaluation
     return mean, int(global_count)
 
 
@@ -228,28 +250,29 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
 class MetricsWindow:
     """Training loss over the last ``log_every_steps`` steps, reduced over all ranks.
 
-    Each rank adds its own loss sum and real-sample count; ``close`` all-reduces both (global sum /
-    global count, never one rank's view), and rank 0 writes a line to ``metrics.jsonl``.
+    Each rank adds its own loss sum and real-sample count, on its device (no host read); ``close``
+    all-reduces both (global sum / global count, never one rank's view), and rank 0 writes a line to
+    ``metrics.jsonl``. ``close`` is the window's one host-device sync.
     """
 
     def __init__(self, rt: Runtime, path: Path) -> None:
         self.rt, self.path = rt, path
-        self.total, self.count, self.start = 0.0, 0.0, time.perf_counter()
+        self.sums, self.start = new_sums(rt.device), time.perf_counter()
         self.last_loss = float("nan")
 
-    def add(self, total: float, count: float) -> None:
-        self.total += total
-        self.count += count
+    def add(self, sums: torch.Tensor) -> None:
+        self.sums += sums
 
     def close(self, step: int) -> tuple[float, float]:
         """(global mean loss, global samples/s) of the window; starts the next one."""
-        loss, global_count = runtime.global_mean(self.rt, self.total, self.count)
+        loss, global_count = runtime.global_mean(self.rt, self.sums)
         rate = global_count / max(time.perf_counter() - self.start, 1e-9)
         if self.rt.is_main:
             with open(self.path, "a") as log:
                 log.write(json.dumps({"step": step, "train_loss": loss, "samples_per_s": rate,
                                       "t": time.time()}) + "\n")
-        self.total, self.count, self.start = 0.0, 0.0, time.perf_counter()
+        self.sums.zero_()
+        self.start = time.perf_counter()
         self.last_loss = loss
         return loss, rate
 
@@ -260,6 +283,10 @@ class StopPoll:
     Each step starts an asynchronous all-reduce of this rank's flag and reads the previous step's
     result: every rank reads the same reduced value at the same step, so they all stop together,
     one step after the signal, and the latency hides behind the step's compute.
+
+    The flag is a CPU tensor on purpose: on a GPU run it goes over the group's gloo backend, never
+    onto the GPU's stream, and reading it is no host-device sync (Lightning broadcasts its flag as a
+    GPU tensor and reads it with ``.item()`` every step, which stalls the GPU).
     """
 
     def __init__(self, flag: preemption.StopFlag) -> None:
@@ -272,7 +299,7 @@ class StopPoll:
             buffer, work = self.pending
             work.wait()
             decided = preemption.StopReason(int(buffer.item()))
-        buffer = torch.tensor([int(self.flag.reason)], dtype=torch.int64)
+        buffer = torch.tensor([int(self.flag.reason)], dtype=torch.int64, device="cpu")
         self.pending = (buffer, torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX,
                                                              async_op=True))
         return decided
@@ -306,10 +333,10 @@ class Trainer:
                                       rank=rt.env.rank, seed=cfg.seed,
                                       policy=cast(Policy, cfg.data.policy))
         self.loader = make_loader(self.train_ds, self.sampler, batch_size=cfg.data.batch_size,
-                                  num_workers=cfg.data.num_workers,
+                                  num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
                                   group_by_length=cfg.data.group_by_length)
         self.step = 0
-        self.samples_seen = 0  # real samples this rank trained on
+        self.real_samples = torch.zeros((), dtype=torch.int64, device=rt.device)  # trained on; no host read
         self.batches_seen = 0
         self.compat = compatibility(cfg, feature_count(self.train_ds, cfg.data.input_field), num_classes)
         self.stop = preemption.StopFlag()
@@ -319,7 +346,7 @@ class Trainer:
         sampler = ShardedSampler(self.eval_ds.shard_counts, world_size=self.rt.env.world_size,
                                  rank=self.rt.env.rank, seed=self.cfg.seed, policy="pad", shuffle=False)
         return make_loader(self.eval_ds, sampler, batch_size=self.cfg.data.batch_size,
-                           num_workers=self.cfg.data.num_workers)
+                           num_workers=self.cfg.data.num_workers, pin_memory=self.rt.device.type == "cuda")
 
     def agree_before_first_step(self) -> None:
         eval_batches = len(self.eval_loader()) if self.eval_ds is not None else 0
@@ -331,14 +358,20 @@ class Trainer:
         """Endless stream of this rank's batches, epoch after epoch (equal counts on every rank)."""
         epoch = self.sampler.epoch
         while True:
-            yield from self.loader
+            # within one epoch: reading ahead never crosses set_epoch
+            yield from to_device(self.loader, self.rt.device, step_fields(self.cfg.data))
             epoch += 1
             self.sampler.set_epoch(epoch)
 
-    def optimizer_step(self, stream: Iterator[Batch]) -> tuple[float, float]:
-        """k micro-batches, then one optimizer step; returns (loss sum, real sample count)."""
+    @property
+    def samples_seen(self) -> int:
+        """Real samples this rank trained on (a host read: checkpoints and the summary only)."""
+        return int(self.real_samples)
+
+    def optimizer_step(self, stream: Iterator[Batch]) -> torch.Tensor:
+        """k micro-batches, then one optimizer step; returns [loss sum, real sample count] on the device."""
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
-        total, count = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler)
+        sums = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler)
         self.batches_seen += len(batches)
         self.sampler.advance(sum(len(b["index"]) for b in batches))
         if self.cfg.optim.clip_grad_norm > 0:
@@ -349,8 +382,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         self.step += 1
-        self.samples_seen += int(count)
-        return total, count
+        self.real_samples += sums[1].to(torch.int64)
+        return sums
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes (atomically) while the others wait; RNG states come from every rank."""
@@ -390,7 +423,8 @@ class Trainer:
         if state["world_size"] == self.rt.env.world_size:  # the same rank keeps its own streams
             mine = state["per_rank"][self.rt.env.rank]
             set_rng_state(mine["rng"])
-            self.samples_seen, self.batches_seen = int(mine["samples"]), int(mine["batches"])
+            self.real_samples.fill_(int(mine["samples"]))
+            self.batches_seen = int(mine["batches"])
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)
 
@@ -433,7 +467,7 @@ class Trainer:
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not rt.is_main, dynamic_ncols=True) as bar:
             while self.step < cfg.optim.max_steps:
-                window.add(*self.optimizer_step(stream))
+                window.add(self.optimizer_step(stream))
                 last = self.step == cfg.optim.max_steps
                 if self.step % cfg.log_every_steps == 0 or last:
                     loss, rate = window.close(self.step)

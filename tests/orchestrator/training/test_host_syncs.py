@@ -1,0 +1,86 @@
+"""A training step that does not log reads no tensor value on the host: on a GPU, each read is a sync.
+
+CI has no GPU, so the reads are counted where they happen: every ``.item()``, ``float()``,
+``int()``, ``bool()``, ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a tensor passes through
+torch's function hook (``TorchFunctionMode``) while the real trainer steps a real one-rank DDP model.
+On a GPU each of them would block the host until the GPU catches up. The log step must read (once),
+which shows the counter sees them. ``tests/gpu/test_train_gpu.py`` checks the same on a GPU with
+``torch.cuda.set_sync_debug_mode("error")``.
+
+SGD, because AdamW keeps its step counter as a CPU tensor and reads it on the host each step by
+torch's design; that read touches no GPU (the counter never leaves the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from orchestrator.config import DataConfig, MemoryConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
+from orchestrator.launch.dist_env import DistEnv
+from orchestrator.training import runtime, trainer
+from sharding import DatasetWriter
+
+HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy", "cpu"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records every torch function that hands a tensor's value to Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                  master_addr="127.0.0.1", hostname="here", job_id="t", restart_count=0, source="single")
+    yield runtime.Runtime(env=env, device=torch.device("cpu"), backend="gloo")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("data") / "train"
+    rng = np.random.default_rng(0)
+    with DatasetWriter(path) as writer:
+        for i in range(64):
+            writer.append({"x": rng.normal(size=(int(rng.integers(0, 9)), 5)).astype(np.float32),
+                           "y": np.int64(i % 3)})
+    return str(path)
+
+
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_a_step_that_does_not_log_reads_nothing_on_the_host(one_rank: runtime.Runtime, dataset: str,
+                                                           tmp_path: Path, amp: str) -> None:
+    cfg = TrainConfig(model=MlpConfig(), data=DataConfig(path=dataset, num_classes=3, batch_size=8),
+                      optim=OptimConfig(name="sgd", grad_accum_steps=2, clip_grad_norm=1.0, max_steps=10),
+                      memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
+    run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, one_rank)
+    stream = run.batches()
+    batches = iter([next(stream) for _ in range(6)])  # the loader's own work is not the step's
+    window = trainer.MetricsWindow(one_rank, tmp_path / "metrics.jsonl")
+    with HostReads() as counted:
+        for _ in range(3):
+            window.add(run.optimizer_step(batches))
+    assert counted.reads == [], f"host reads in steps that do not log: {counted.reads}"
+    with HostReads() as counted:
+        loss, _ = window.close(run.step)  # a log step: the window's one read
+    assert counted.reads and loss > 0
+    assert run.samples_seen == 48  # 3 steps x 2 micro-batches x 8, read once, outside the steps
