@@ -282,8 +282,9 @@ def render_slurm_conf(layout: Layout, cpus: int, memory_mb: int) -> str:
         else ",".join(nodes)
     last_port = layout.first_slurmd_port + len(nodes) - 1
     s = layout.state_dir
-    gres_types, gres = ("GresTypes=gpu\n", f" Gres=gpu:{layout.gpus_per_node}") if layout.gpus_per_node \
-        else ("", "")
+    # sacct's AllocTRES then shows gres/gpu=N per job, as on a real GPU cluster
+    gres_types = "GresTypes=gpu\nAccountingStorageTRES=gres/gpu\n" if layout.gpus_per_node else ""
+    gres = f" Gres=gpu:{layout.gpus_per_node}" if layout.gpus_per_node else ""
     return f"""\
 # Written by `switchyard cluster up`; edits are overwritten.
 ClusterName={layout.cluster_name}

@@ -1,4 +1,4 @@
-"""The local cluster's pieces that need no root: config rendering and the port check."""
+"""The local cluster's pieces that need no running daemons: config rendering, GPU devices, the port check."""
 
 from __future__ import annotations
 
@@ -80,3 +80,29 @@ def test_a_zombie_daemon_counts_as_stopped(tmp_path: Path) -> None:
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_nodes_advertise_gpus_as_gres_backed_by_character_devices(tmp_path: Path) -> None:
+    import stat
+
+    gpus = layout(tmp_path)  # the default: 2 per node
+    text = cluster.render_slurm_conf(gpus, cpus=2, memory_mb=1000)
+    assert "GresTypes=gpu" in text and "AccountingStorageTRES=gres/gpu" in text
+    assert "RealMemory=1000 Gres=gpu:2 State=UNKNOWN" in text
+    assert cluster.render_gres_conf(gpus).splitlines()[-1] == \
+        f"NodeName=n1,n2 Name=gpu File={tmp_path}/dev/gpu[0-1]"
+    cluster.make_gpu_devices(gpus)
+    assert all(stat.S_ISCHR(p.stat().st_mode) for p in gpus.gpu_devices())
+    plain = cluster.render_slurm_conf(layout(tmp_path, gpus_per_node=0), cpus=2, memory_mb=1000)
+    assert "Gres" not in plain
+
+
+def test_changing_the_gpu_count_rewrites_the_node_definition(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster, "link_etc_slurm_conf", lambda layout: None)  # /etc is not ours here
+    monkeypatch.setattr(cluster, "add_hosts_entry", lambda layout: None)
+    assert cluster.write_configs(layout(tmp_path)) is True
+    assert cluster.write_configs(layout(tmp_path)) is False  # unchanged: nothing to restart
+    assert cluster.write_configs(layout(tmp_path, gpus_per_node=4)) is True
+    assert cluster.write_configs(layout(tmp_path, gpus_per_node=0)) is True
+    assert not (tmp_path / "etc" / "gres.conf").exists()
