@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first, pinned: any other torch requirement pip resolves from scratch pulls GBs of CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv run test lint typecheck pytest cluster-up cluster-down clean
+.PHONY: venv run test lint typecheck pytest cluster-up cluster-down clean gpu-deps gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -37,6 +37,18 @@ pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck cluster-up pytest
+
+# On a GPU node: its own python with torch (no venv, no package index needed). The pure-Python
+# packages it may lack come from GPU_DEPS, filled by `make gpu-deps` wherever PyPI is reachable.
+GPU_PY ?= python3
+GPU_DEPS ?= .gpu-deps
+GPU_DEP_PINS ?= submitit hydra-core omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+
+gpu-deps:
+	python3 -m pip install -q --no-deps --no-compile --target $(GPU_DEPS) $(GPU_DEP_PINS)
+
+gpu-check:
+	PYTHONPATH=$(abspath $(GPU_DEPS)):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

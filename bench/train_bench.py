@@ -51,7 +51,8 @@ from sharding import collate_padded, open_dataset
 
 
 def make_cfg(args: argparse.Namespace) -> TrainConfig:
-    model: Any = MlpConfig() if args.model == "mlp" else TransformerConfig()
+    model: Any = MlpConfig() if args.model == "mlp" \
+        else TransformerConfig(d_model=args.d_model, num_layers=args.layers, ff_dim=2 * args.d_model)
     return TrainConfig(model=model, data=DataConfig(batch_size=args.batch_size, cache_dir=args.cache_dir,
                                                     demo_num_samples=args.samples, num_workers=args.workers),
                        optim=OptimConfig(max_steps=args.steps), telemetry=TelemetryConfig(enabled=False),
@@ -167,6 +168,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: rank r on cuda:r over NCCL, pinned memory (needs --world <= GPUs)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank, both loops")
+    parser.add_argument("--d-model", type=int, default=64, help="transformer width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "switchyard-bench-train"))
     args = parser.parse_args()
     ensure_demo_dataset(make_cfg(args).data)

@@ -1,0 +1,162 @@
+"""``make gpu-check``: everything CI cannot run, on a machine with NVIDIA GPUs, in one table.
+
+1. the ``gpu``-marked tests (no host sync on a step that does not log, pinned batches, NVML);
+2. short real runs of the training job in debug mode (1 GPU) and local mode (every GPU);
+3. peak GPU memory of each memory option on one transformer (1024 wide, 8 layers, batch 64 of up
+   to 512 rows): none, bf16, fp16, activation checkpointing, both, grad accumulation;
+4. a resume: a run stopped at step 20 continued in place to step 40;
+5. ``bench/train_bench.py --device cuda`` for mlp and transformer at batch 256 with 4 workers.
+
+It needs only what a GPU node has: a python with torch, and the pure-Python packages from a local
+folder (``make gpu-deps`` fills ``.gpu-deps`` where a package index is reachable; copy it over).
+
+    PYTHONPATH=.gpu-deps:. python3 bench/gpu_check.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+BIG_TRANSFORMER = ["model=transformer", "model.d_model=1024", "model.num_layers=8", "model.ff_dim=4096",
+                   "model.num_heads=16", "data.batch_size=64", "data.demo_max_rows=512",
+                   "data.demo_num_samples=2048", "optim.max_steps=20", "telemetry.interval_s=1"]
+MEMORY_OPTIONS = [
+    ("memory.amp=none", []),
+    ("memory.amp=bf16", ["memory.amp=bf16"]),
+    ("memory.amp=fp16", ["memory.amp=fp16"]),
+    ("activation checkpointing", ["memory.activation_checkpointing=true"]),
+    ("bf16 + activation checkpointing", ["memory.amp=bf16", "memory.activation_checkpointing=true"]),
+    ("grad_accum_steps=4, batch 16", ["optim.grad_accum_steps=4", "data.batch_size=16"]),
+]
+
+
+class Check:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.rows: list[tuple[str, str, str]] = []
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "PYTHONUNBUFFERED": "1"}
+
+    def row(self, check: str, result: str, detail: str) -> None:
+        self.rows.append((check, result, detail))
+        print(f"[gpu-check] {check}: {result} {detail}", flush=True)
+
+    def run(self, args: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=self.env, cwd=ROOT)
+
+    def train(self, name: str, *overrides: str, run_dir: Path | None = None
+              ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None, Path]:
+        run_dir = run_dir or self.tmp / re.sub(r"\W+", "-", name)
+        proc = self.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", *overrides,
+                         f"data.cache_dir={self.tmp / 'cache'}", f"hydra.run.dir={run_dir}"])
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if proc.returncode == 0 and summary_path.exists() \
+            else None
+        return proc, summary, run_dir
+
+    def failed(self, check: str, proc: subprocess.CompletedProcess[str]) -> None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        self.row(check, "FAILED", f"exit {proc.returncode}: " + " / ".join(tail)[-300:])
+
+
+def peak_gib(summary: dict[str, Any]) -> str:
+    peaks = [r["end"]["max_allocated_bytes"] for r in summary["memory"]["ranks"] if r.get("end")]
+    return ", ".join(f"{p / GIB:.2f}" for p in peaks) + " GiB"
+
+
+def gpu_tests(c: Check) -> None:
+    proc = c.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"])
+    last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    c.row("gpu-marked tests", "ok" if proc.returncode == 0 else "FAILED", last)
+
+
+def modes(c: Check, gpus: int) -> None:
+    for mode, count in (("debug", 1), ("local", gpus)):
+        check = f"cluster={mode}, {count} GPU(s)"
+        started = time.perf_counter()
+        proc, summary, _ = c.train(check, f"cluster={mode}", f"parallelism.gpus_per_node={count}",
+                                   "optim.max_steps=100")
+        if summary is None:
+            c.failed(check, proc)
+            continue
+        same = len(set(summary["param_checksum_per_rank"])) == 1
+        flags = summary["memory"]["flags"]
+        c.row(check, "ok" if same else "FAILED",
+              f"world {summary['world_size']}, backend {summary['backend']}, loss "
+              f"{summary['final_train_loss']:.3f}, peak {peak_gib(summary)}, replicas equal: {same}, "
+              f"{time.perf_counter() - started:.0f} s; flags: {'; '.join(flags)[:200] or 'none'}")
+
+
+def memory_options(c: Check) -> None:
+    for name, overrides in MEMORY_OPTIONS:
+        proc, summary, _ = c.train(f"memory {name}", "cluster=local", "parallelism.gpus_per_node=1",
+                                   *BIG_TRANSFORMER, *overrides)
+        if summary is None:
+            c.failed(f"memory: {name}", proc)
+        else:
+            c.row(f"memory: {name}", "ok", f"peak {peak_gib(summary)} (max_memory_allocated)")
+
+
+def resume(c: Check) -> None:
+    common = ["cluster=local", "parallelism.gpus_per_node=1", "checkpoint.every_steps=10"]
+    first, _, run_dir = c.train("resume", *common, "optim.max_steps=20")
+    if first.returncode != 0:
+        return c.failed("resume in place", first)
+    again, summary, _ = c.train("resume", *common, "optim.max_steps=40", run_dir=run_dir)
+    # rank 0 says so in its own log (local mode keeps rank output out of the terminal)
+    resumed = any("resumed from" in log.read_text(errors="replace") for log in run_dir.rglob("*_0_log.out"))
+    if summary is None:
+        return c.failed("resume in place", again)
+    c.row("resume in place", "ok" if resumed and summary["steps"] == 40 else "FAILED",
+          f"resumed: {resumed}, steps {summary['steps']}")
+
+
+def train_bench(c: Check, quick: bool) -> None:
+    for model in ("mlp", "transformer"):
+        extra = ["--d-model", "256", "--layers", "4"] if model == "transformer" else []
+        proc = c.run([sys.executable, "bench/train_bench.py", "--device", "cuda", "--world", "1",
+                      "--batch-size", "256", "--workers", "4", "--model", model,
+                      "--steps", "100" if quick else "300", "--repeats", "1" if quick else "2", *extra])
+        if proc.returncode != 0:
+            c.failed(f"train_bench {model}", proc)
+            continue
+        table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+        c.row(f"train_bench {model}, batch 256, 4 workers", "ok", " ".join(table[2:]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter benchmark (one repeat, 100 steps)")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: torch sees no CUDA device here; run it on a GPU node", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory(prefix="switchyard-gpu-check-") as tmp:
+        c = Check(Path(tmp))
+        for step in (gpu_tests, lambda c: modes(c, gpus), memory_options, resume,
+                     lambda c: train_bench(c, args.quick)):
+            step(c)
+    print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}\n")
+    print("| check | result | detail |\n|---|---|---|")
+    for check, result, detail in c.rows:
+        print(f"| {check} | {result} | {detail} |")
+    return 0 if all(result != "FAILED" for _, result, _ in c.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The training job on a real GPU: no host sync on a step that does not log, and every mode runs.
+
+Skipped where no NVIDIA GPU is visible; ``make gpu-check`` runs it on a GPU node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.config import DataConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
+from orchestrator.launch import rendezvous
+from orchestrator.launch.dist_env import DistEnv
+from orchestrator.training import runtime, trainer
+from sharding import DatasetWriter
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and driver"),
+]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
+    """A one-rank group as the runtime makes it on a GPU: cpu:gloo,cuda:nccl, bound to cuda:0."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group(rendezvous.group_backend("nccl"), store=store, rank=0, world_size=1,
+                            device_id=device)
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                  master_addr="127.0.0.1", hostname="gpu", job_id="t", restart_count=0, source="single")
+    yield runtime.Runtime(env=env, device=device, backend="nccl")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("data") / "train"
+    rng = np.random.default_rng(0)
+    with DatasetWriter(path) as writer:
+        for i in range(256):
+            writer.append({"x": rng.normal(size=(int(rng.integers(1, 33)), 16)).astype(np.float32),
+                           "y": np.int64(i % 4)})
+    return str(path)
+
+
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_steps_that_do_not_log_never_sync_the_gpu(one_gpu_rank: runtime.Runtime, dataset: str,
+                                                 tmp_path: Path, amp: str) -> None:
+    from orchestrator.config import MemoryConfig
+
+    cfg = TrainConfig(model=MlpConfig(), data=DataConfig(path=dataset, num_classes=4, batch_size=32),
+                      optim=OptimConfig(grad_accum_steps=2, clip_grad_norm=1.0, max_steps=50),
+                      memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
+    run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, one_gpu_rank)
+    stream = run.batches()
+    window = trainer.MetricsWindow(one_gpu_rank, tmp_path / "metrics.jsonl")
+    stops = trainer.StopPoll(run.stop)
+    window.add(run.optimizer_step(stream))  # the first step (optimizer state, cuBLAS handles)
+    torch.cuda.synchronize()
+    batches = iter([next(stream) for _ in range(8)])
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        for _ in range(4):
+            window.add(run.optimizer_step(batches))
+            stops.poll()  # the stop flag: a CPU tensor over gloo, no GPU sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stops.drain()
+    loss, _ = window.close(run.step)
+    assert loss > 0
+
+
+def train(tmp_path: Path, *overrides: str) -> dict[str, object]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", *overrides,
+                           "optim.max_steps=30", "data.demo_num_samples=1024",
+                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=600, env=os.environ)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads((run_dir / "summary.json").read_text()))
+
+
+@pytest.mark.parametrize("mode", ["debug", "local"])
+def test_the_job_trains_on_the_gpu(tmp_path: Path, mode: str) -> None:
+    summary = train(tmp_path, f"cluster={mode}", "parallelism.gpus_per_node=1")
+    assert summary["backend"] == "nccl" and summary["world_size"] == 1
+    memory = summary["memory"]
+    assert isinstance(memory, dict) and memory["mode"] == "gpu"
+    assert memory["ranks"][0]["end"]["max_allocated_bytes"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_local_ranks_take_one_gpu_each(tmp_path: Path) -> None:
+    summary = train(tmp_path, "cluster=local", "parallelism.gpus_per_node=2")
+    assert summary["world_size"] == 2
+    assert len(set(summary["param_checksum_per_rank"])) == 1  # type: ignore[arg-type]
+    memory = summary["memory"]
+    assert isinstance(memory, dict) and sorted(r["device"] for r in memory["ranks"]) == [0, 1]
