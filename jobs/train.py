@@ -120,6 +120,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
             print(f"not waiting (cluster.wait=false): follow it with squeue -j {job.job_id}")
             return None
     summary = submit.results(job)[0]
+    for warning in summary.get("checkpoint_warnings") or []:  # also in summary.json
+        print(f"warning: {warning}", file=sys.stderr)
+    if summary.get("resumed_from"):
+        print(f"resumed from {summary['resumed_from']['path']} at step {summary['resumed_from']['step']}")
     print(f"summary: {run_dir / 'summary.json'}")
     print(json.dumps({k: summary[k] for k in ("world_size", "steps", "samples_per_rank",
                                               "final_train_loss", "final_eval_loss",

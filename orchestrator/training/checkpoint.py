@@ -1,5 +1,11 @@
 """Checkpoints that survive being killed mid-write: temp file, fsync, rename; the last K kept.
 
+Each ``step-N.pt`` has its xxh3 checksum beside it (``step-N.pt.xxh3``, published before the
+checkpoint itself), taken while the bytes are written. Loading verifies it first: a checkpoint
+whose bytes changed on disk (a bad sector, a partial copy, a stray write) is skipped with a
+warning and the previous one is used, instead of resuming from garbage. A checkpoint without a
+checksum file (written by a Switchyard before checksums) is loaded unverified, and says so.
+
 Loading always maps to the CPU first: ``torch.load`` of a checkpoint saved from ``cuda:0`` would
 otherwise put every rank's copy on GPU 0 (the classic "GPU 0 fills up at DDP start").
 """
@@ -9,11 +15,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
+import xxhash
 
-from orchestrator.atomic import atomic_write
+from orchestrator.atomic import atomic_write, write_text
+
+CHECKSUM_SUFFIX = ".xxh3"
+_READ_CHUNK = 8 << 20
 
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
@@ -28,19 +38,61 @@ class Found:
     step: int
     state: dict[str, Any]
     skipped: tuple[str, ...]  # newer checkpoints that could not be read, with why
+    verified: bool = True  # False: no checksum file (an older Switchyard wrote it)
 
 
 def path_for(directory: Path, step: int) -> Path:
     return directory / f"step-{step:09d}.pt"
 
 
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+class _Hashing:
+    """A binary file that hashes what is written through it: the checksum costs no second read."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.hash = f, xxhash.xxh3_64()
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Write atomically, then drop all but the newest ``keep_last``."""
+    """Write atomically (its checksum first), then drop all but the newest ``keep_last``."""
     final = path_for(directory, step)
     with atomic_write(final, binary=True) as f:
-        torch.save(state, f)
+        hashing = _Hashing(f)
+        torch.save(state, hashing)  # type: ignore[arg-type]  # torch needs write() only
+        write_text(checksum_path(final), hashing.hash.hexdigest() + "\n")  # before the rename below
     prune(directory, keep_last)
     return final
+
+
+def file_checksum(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> bool:
+    """True when the checksum matches, False when there is none; raises when it does not match."""
+    try:
+        expected = checksum_path(path).read_text().strip()
+    except FileNotFoundError:
+        return False
+    actual = file_checksum(path)
+    if actual != expected:
+        raise CheckpointError(f"checksum mismatch (xxh3 {actual}, written as {expected}): the file "
+                              f"changed after it was saved")
+    return True
 
 
 def listed(directory: Path) -> list[tuple[int, Path]]:
@@ -54,10 +106,11 @@ def listed(directory: Path) -> list[tuple[int, Path]]:
 def prune(directory: Path, keep_last: int) -> None:
     for _, path in listed(directory)[keep_last:]:
         path.unlink(missing_ok=True)
+        checksum_path(path).unlink(missing_ok=True)
 
 
 def load_path(path: Path) -> Found:
-    """One given checkpoint (rank 0 chose it), on the CPU."""
+    """One given checkpoint (rank 0 chose and verified it), on the CPU."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
@@ -70,14 +123,15 @@ def load_latest(directory: Path) -> Found | None:
     skipped = []
     for step, path in listed(directory):
         try:
+            verified = verify(path)
             state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:  # truncated, corrupted, or not a torch file at all
+        except Exception as e:  # a checksum mismatch, truncated, or not a torch file at all
             skipped.append(f"{path.name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
         if not isinstance(state, dict) or "step" not in state:
             skipped.append(f"{path.name}: not a Switchyard checkpoint")
             continue
-        return Found(path=path, step=step, state=state, skipped=tuple(skipped))
+        return Found(path=path, step=step, state=state, skipped=tuple(skipped), verified=verified)
     if skipped:
         raise CheckpointError(f"no readable checkpoint in {directory}: " + "; ".join(skipped))
     return None

@@ -340,6 +340,8 @@ class Trainer:
         self.batches_seen = 0
         self.compat = compatibility(cfg, feature_count(self.train_ds, cfg.data.input_field), num_classes)
         self.stop = preemption.StopFlag()
+        self.resumed_from: dict[str, Any] | None = None  # for the summary: where this run continued
+        self.checkpoint_warnings: list[str] = []
 
     def eval_loader(self) -> Any:
         assert self.eval_ds is not None
@@ -410,8 +412,12 @@ class Trainer:
             return
         if found is None:
             found = checkpoint.load_path(Path(chosen))
-        for note in found.skipped if self.rt.is_main else ():
-            print(f"warning: skipped unreadable checkpoint {note}", flush=True)
+        self.checkpoint_warnings = [f"skipped unreadable checkpoint {note}" for note in found.skipped]
+        if not found.verified:
+            self.checkpoint_warnings.append(f"{found.path.name} has no checksum (written by an older "
+                                            f"Switchyard): loaded unverified")
+        for warning in self.checkpoint_warnings if self.rt.is_main else ():
+            print(f"warning: {warning}", flush=True)
         state = found.state
         check_compatible(state["compat"], self.compat, found.path)
         self.model.module.load_state_dict(state["model"])
@@ -425,6 +431,7 @@ class Trainer:
             set_rng_state(mine["rng"])
             self.real_samples.fill_(int(mine["samples"]))
             self.batches_seen = int(mine["batches"])
+        self.resumed_from = {"path": str(found.path), "step": self.step}
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)
 
@@ -503,12 +510,24 @@ class Trainer:
             "eval_set_size": len(self.eval_ds) if self.eval_ds is not None else 0,
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
+            "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
         }
-        return summary
+        return finite_or_null(summary)
+
+
+def finite_or_null(value: Any) -> Any:
+    """NaN and infinities as None: strict JSON parsers reject NaN (no eval set: no eval loss)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    atomic.write_json(run_dir / "summary.json", summary, indent=2)
+    atomic.write_json(run_dir / "summary.json", finite_or_null(summary), indent=2)
 
 
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:

@@ -130,3 +130,29 @@ def test_a_stopped_run_continued_in_place_ends_bit_identical(tmp_path: Path) -> 
     a, b = read_summary(tmp_path / "a" / "run"), read_summary(tmp_path / "b" / "run")
     assert b["steps"] == a["steps"] == 24
     assert b["param_checksum_per_rank"] == a["param_checksum_per_rank"]
+
+
+def test_a_changed_checkpoint_is_skipped_on_the_terminal_and_in_the_summary(tmp_path: Path) -> None:
+    checkpoints = ["checkpoint.every_steps=10", "checkpoint.keep_last=3", "telemetry.enabled=false"]
+    assert train(tmp_path, *checkpoints, "optim.max_steps=20").returncode == 0
+    newest = tmp_path / "run" / "checkpoints" / "step-000000020.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 512] = b"\x7f" * 512  # a stray write inside the file
+    newest.write_bytes(bytes(data))
+    resumed = train(tmp_path, *checkpoints, "optim.max_steps=30")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "warning: skipped unreadable checkpoint step-000000020.pt: CheckpointError: checksum " \
+           "mismatch" in resumed.stderr
+    assert "checkpoints/step-000000010.pt at step 10" in resumed.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["resumed_from"]["step"] == 10 and summary["steps"] == 30
+    assert "checksum mismatch" in summary["checkpoint_warnings"][0]
+    # Run again: nothing left to train, so there is no train loss; the summary stays strict JSON.
+    again = train(tmp_path, *checkpoints, "optim.max_steps=30")
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    def no_nan(constant: str) -> None:
+        raise AssertionError(f"summary.json holds {constant}")
+
+    strict = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=no_nan)
+    assert strict["final_train_loss"] is None and strict["resumed_from"]["step"] == 30
