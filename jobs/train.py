@@ -7,6 +7,7 @@ ranks; ``cluster=slurm`` puts the same job on SLURM, ``cluster=debug`` runs it i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,7 @@ from orchestrator.config import (
     TrainConfig,
     register_app_check,
     register_configs,
+    unknown_keys,
 )
 from orchestrator.launch import dist_env, submit
 from orchestrator.training import trainer
@@ -35,6 +37,9 @@ register_configs()
 
 def load_config(cfg: DictConfig) -> TrainConfig:
     """DictConfig stops here: build the typed dataclasses, running every group's checks."""
+    stray = unknown_keys(cfg)
+    if stray:
+        raise ConfigError("; ".join(stray))
     try:
         return cast(TrainConfig, OmegaConf.to_object(cfg))
     except MissingMandatoryValue as e:
@@ -64,6 +69,8 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
     in_features = _check_dataset("data.path", paths.train, cfg)
     if paths.eval is not None:
         _check_dataset("data.eval_path", paths.eval, cfg)
+    if cfg.checkpoint.dir:
+        check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
     with torch.device("meta"):  # builds the model's structure without allocating its weights
         trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
     if cfg.cluster.mode == "local" and cfg.parallelism.gpus_per_node and cfg.parallelism.nodes > 1:
@@ -86,6 +93,21 @@ def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismC
 
 
 register_app_check(TrainConfig, check_sweep_point)
+
+
+def check_writable_dir(key: str, path: Path) -> None:
+    """``path`` is, or can become, a directory this user writes: known now, not at the first save
+    at the end of training. Creates nothing."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "it" if existing == path else f"{existing} (on its path)"
+        raise ConfigError(f"{key}={str(path)!r} is invalid: {where} is a file, not a directory "
+                          f"(try {key}=<a directory>)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(path)!r} is invalid: {existing} is not writable by this user "
+                          f"(try {key}=<a directory you can write>)")
 
 
 def _check_dataset(key: str, path: str, cfg: TrainConfig) -> int:

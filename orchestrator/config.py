@@ -8,6 +8,8 @@ and an override that fixes it.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -320,6 +322,13 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-exact reruns on CPU
 
     def __post_init__(self) -> None:
+        if self.log_every_steps < 1:
+            raise invalid("log_every_steps", self.log_every_steps, "must be >= 1", "log_every_steps=10")
+        if self.eval_every_steps < 0:
+            raise invalid("eval_every_steps", self.eval_every_steps, "must be >= 0 (0: at the end)",
+                          "eval_every_steps=0")
+        if self.seed < 0:
+            raise invalid("seed", self.seed, "must be >= 0 (the sampler's shuffle takes it)", "seed=0")
         if self.cluster.mode == "debug" and self.parallelism.world_size > 1:
             # Not an error: debug mode exists to step through one rank.
             gpus = min(self.parallelism.gpus_per_node, 1)
@@ -356,3 +365,28 @@ def register_app_check(schema: type, check: AppCheck) -> None:
 
 def app_check(schema: type | None) -> AppCheck | None:
     return None if schema is None else _APP_CHECKS.get(schema)
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Keys a composed config holds that its dataclass schema does not declare, with a fix each.
+
+    Hydra's ``+optim.lrr=1e-3`` adds a key to a structured config, ``OmegaConf.to_object`` keeps it
+    as a stray attribute, and nothing ever reads it: the run would train with the default. Groups
+    without a dataclass (``model=custom``: any constructor keys) are not checked.
+    """
+    schema = OmegaConf.get_type(node)
+    declared = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    errors = []
+    for key in map(str, node):
+        name = f"{prefix}{key}"
+        if declared is not None and key not in declared:
+            close = difflib.get_close_matches(key, declared, n=1)
+            fix = f"{prefix}{close[0]}=..." if close else f"one of {prefix}{{{','.join(declared)}}}"
+            value = OmegaConf.select(node, key, throw_on_missing=False)
+            errors.append(str(invalid(name, value, f"{prefix.rstrip('.') or 'the config'} has no key "
+                                      f"{key!r}, so nothing would read it", fix)))
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            errors += unknown_keys(child, f"{name}.")
+    return errors

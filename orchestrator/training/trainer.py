@@ -164,7 +164,10 @@ def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.d
     """
     field, target = cfg.data.input_field, cfg.data.target_field
     x = batch[field].to(device, non_blocking=True)
-    mask = batch[f"{field}_mask"].to(device, non_blocking=True)
+    mask = batch.get(f"{field}_mask")
+    # fixed-length data is stacked without a mask: every row is real
+    mask = torch.ones(x.shape[:2], dtype=torch.bool, device=device) if mask is None \
+        else mask.to(device, non_blocking=True)
     y = batch[target].to(device, non_blocking=True)
     real = (~batch["is_pad"].to(device, non_blocking=True))
     with autocast(device, cfg.memory.amp):

@@ -78,6 +78,15 @@ def test_same_config_in_debug_mode(tmp_path: Path) -> None:
     ("memory.amp=fp8", "memory.amp='fp8' is invalid"),
     ("model=custom", "model._target_ is missing: it has no default (try model._target_=<value>"),
     ("model=custom model._target_=nope.Net", "model._target_='nope.Net' cannot be imported"),
+    ("+optim.lrr=1e-3", "optim.lrr=0.001 is invalid: optim has no key 'lrr', so nothing would read it "
+                        "(try optim.lr=...)"),
+    ("+model.hidden_dimm=8", "model.hidden_dimm=8 is invalid: model has no key 'hidden_dimm'"),
+    ("log_every_steps=0", "log_every_steps=0 is invalid: must be >= 1"),
+    ("seed=-1", "seed=-1 is invalid: must be >= 0"),
+    ("checkpoint.dir=/proc/version/ckpt", "checkpoint.dir='/proc/version/ckpt' is invalid: /proc/version "
+                                          "(on its path) is a file"),
+    ("cluster=local parallelism.nodes=2 parallelism.gpus_per_node=1",
+     "parallelism.nodes=2 is invalid with GPUs in cluster=local"),
 ])
 def test_bad_input_fails_before_submitting(tmp_path: Path, override: str, message: str) -> None:
     proc = train(tmp_path, *override.split(), "data.num_classes=4")
@@ -156,3 +165,22 @@ def test_a_changed_checkpoint_is_skipped_on_the_terminal_and_in_the_summary(tmp_
 
     strict = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=no_nan)
     assert strict["final_train_loss"] is None and strict["resumed_from"]["step"] == 30
+
+
+def test_fixed_length_inputs_train_and_evaluate(tmp_path: Path) -> None:
+    """Every sample 8 rows: the loader stacks x and makes no x_mask; the model sees all rows as real."""
+    import numpy as np
+
+    from sharding import DatasetWriter
+
+    rng = np.random.default_rng(0)
+    for name, count in (("train", 256), ("eval", 64)):
+        with DatasetWriter(tmp_path / name) as writer:
+            for i in range(count):
+                x = rng.normal(size=(8, 16)).astype(np.float32) + i % 4
+                writer.append({"x": x, "y": np.int64(i % 4)})
+    proc = train(tmp_path, f"data.path={tmp_path / 'train'}", f"data.eval_path={tmp_path / 'eval'}",
+                 "data.num_classes=4", "optim.max_steps=20", "telemetry.enabled=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(tmp_path / "run")
+    assert summary["steps"] == 20 and summary["eval_samples_counted"] == summary["eval_set_size"] == 64
