@@ -175,7 +175,7 @@ def test_cancel_one_job_then_the_whole_sweep(tmp_path: Path) -> None:
 
 def test_a_requeued_job_goes_back_to_the_queue_and_counts_its_requeue(tmp_path: Path) -> None:
     write_app(tmp_path)
-    sweep = sweep_id(run_app(tmp_path, "x=1", "sleep_s=4", "hydra.launcher.wait=false"))
+    sweep = sweep_id(run_app(tmp_path, "x=1", "sleep_s=15", "hydra.launcher.wait=false"))
     job = f"{sweep}/0"
 
     def state_within(states: tuple[str, ...], timeout_s: float) -> list[str]:
