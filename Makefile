@@ -48,7 +48,7 @@ gpu-deps:
 	python3 -m pip install -q --no-deps --no-compile --target $(GPU_DEPS) $(GPU_DEP_PINS)
 
 gpu-check:
-	PYTHONPATH=$(abspath $(GPU_DEPS)):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(abspath $(GPU_DEPS))$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

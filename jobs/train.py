@@ -73,11 +73,6 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
     with torch.device("meta"):  # builds the model's structure without allocating its weights
         trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
-    if cfg.cluster.mode == "local" and cfg.parallelism.gpus_per_node and cfg.parallelism.nodes > 1:
-        total = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
-        raise ConfigError(f"parallelism.nodes={cfg.parallelism.nodes} is invalid with GPUs in cluster=local: "
-                          f"every rank runs on this machine, one per GPU (try parallelism.nodes=1 "
-                          f"parallelism.gpus_per_node={total})")
     if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
         raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="

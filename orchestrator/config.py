@@ -329,6 +329,11 @@ class TrainConfig:
                           "eval_every_steps=0")
         if self.seed < 0:
             raise invalid("seed", self.seed, "must be >= 0 (the sampler's shuffle takes it)", "seed=0")
+        parallelism = self.parallelism
+        if self.cluster.mode == "local" and parallelism.gpus_per_node and parallelism.nodes > 1:
+            raise invalid("parallelism.nodes", parallelism.nodes, "GPUs in cluster=local run on this "
+                          "machine, one rank per GPU", f"parallelism.nodes=1 parallelism.gpus_per_node="
+                          f"{parallelism.nodes * parallelism.gpus_per_node}")
         if self.cluster.mode == "debug" and self.parallelism.world_size > 1:
             # Not an error: debug mode exists to step through one rank.
             gpus = min(self.parallelism.gpus_per_node, 1)
@@ -378,15 +383,12 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     declared = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
     errors = []
     for key in map(str, node):
-        name = f"{prefix}{key}"
+        value = OmegaConf.select(node, key, throw_on_missing=False)
         if declared is not None and key not in declared:
             close = difflib.get_close_matches(key, declared, n=1)
             fix = f"{prefix}{close[0]}=..." if close else f"one of {prefix}{{{','.join(declared)}}}"
-            value = OmegaConf.select(node, key, throw_on_missing=False)
-            errors.append(str(invalid(name, value, f"{prefix.rstrip('.') or 'the config'} has no key "
-                                      f"{key!r}, so nothing would read it", fix)))
-            continue
-        child = node._get_node(key)
-        if isinstance(child, DictConfig):
-            errors += unknown_keys(child, f"{name}.")
+            errors.append(str(invalid(f"{prefix}{key}", value, f"{prefix.rstrip('.') or 'the config'} "
+                                      f"has no key {key!r}, so nothing would read it", fix)))
+        elif isinstance(value, DictConfig):
+            errors += unknown_keys(value, f"{prefix}{key}.")
     return errors

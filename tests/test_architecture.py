@@ -96,11 +96,6 @@ def test_imports_follow_the_architecture() -> None:
     assert violations(ROOT) == []
 
 
-def test_every_orchestrator_subpackage_is_placed() -> None:
-    units = {unit_of(module_name(p, ROOT)) for p in (ROOT / "orchestrator").rglob("*.py")}
-    assert units - {"orchestrator"} <= set(ALLOWED), "place the new unit in ALLOWED with what it may import"
-
-
 @pytest.mark.parametrize(("where", "source", "expected"), [
     ("orchestrator/sweeps/launcher.py", "def check():\n    from jobs import train\n",
      "orchestrator.sweeps imports jobs"),

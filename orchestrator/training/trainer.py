@@ -183,7 +183,8 @@ def new_sums(device: torch.device) -> torch.Tensor:
 
 
 def add_to_sums(sums: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> None:
-    sums += torch.stack((total.to(torch.float64), count.to(torch.float64)))
+    sums[0] += total  # in place, promoted to float64: two small kernels, no allocation
+    sums[1] += count
 
 
 def backward_micro_batches(model: DistributedDataParallel, batches: list[Batch], cfg: TrainConfig,
@@ -323,10 +324,9 @@ class Trainer:
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
         num_classes = output_classes(cfg.data)
         runtime.seed_everything(cfg.seed, rt.env.rank)
-        model = build_model(cfg.model, feature_count(self.train_ds, cfg.data.input_field), num_classes,
-                            cfg.memory)
-        self.model: DistributedDataParallel = runtime.wrap(model, rt)
         features = feature_count(self.train_ds, cfg.data.input_field)
+        self.model: DistributedDataParallel = runtime.wrap(
+            build_model(cfg.model, features, num_classes, cfg.memory), rt)
         runtime.settle_buckets(self.model, torch.zeros(1, 1, features, device=rt.device),
                                torch.ones(1, 1, dtype=torch.bool, device=rt.device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -341,7 +341,7 @@ class Trainer:
         self.step = 0
         self.real_samples = torch.zeros((), dtype=torch.int64, device=rt.device)  # trained on; no host read
         self.batches_seen = 0
-        self.compat = compatibility(cfg, feature_count(self.train_ds, cfg.data.input_field), num_classes)
+        self.compat = compatibility(cfg, features, num_classes)
         self.stop = preemption.StopFlag()
         self.resumed_from: dict[str, Any] | None = None  # for the summary: where this run continued
         self.checkpoint_warnings: list[str] = []
@@ -515,7 +515,7 @@ class Trainer:
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
         }
-        return finite_or_null(summary)
+        return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
 
 
 def finite_or_null(value: Any) -> Any:
@@ -530,7 +530,7 @@ def finite_or_null(value: Any) -> Any:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    atomic.write_json(run_dir / "summary.json", finite_or_null(summary), indent=2)
+    atomic.write_json(run_dir / "summary.json", summary, indent=2)
 
 
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:

@@ -12,14 +12,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+from rank_helpers import one_rank, write_rows_dataset
 
 from orchestrator.config import DataConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
-from orchestrator.launch import rendezvous
-from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime, trainer
-from sharding import DatasetWriter
 
 torch = pytest.importorskip("torch")
 
@@ -32,28 +29,14 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def one_gpu_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
     """A one-rank group as the runtime makes it on a GPU: cpu:gloo,cuda:nccl, bound to cuda:0."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group(rendezvous.group_backend("nccl"), store=store, rank=0, world_size=1,
-                            device_id=device)
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                  master_addr="127.0.0.1", hostname="gpu", job_id="t", restart_count=0, source="single")
-    yield runtime.Runtime(env=env, device=device, backend="nccl")
-    dist.destroy_process_group()
+    with one_rank(tmp_path_factory.mktemp("pg"), torch.device("cuda", 0)) as rt:
+        yield rt
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("data") / "train"
-    rng = np.random.default_rng(0)
-    with DatasetWriter(path) as writer:
-        for i in range(256):
-            writer.append({"x": rng.normal(size=(int(rng.integers(1, 33)), 16)).astype(np.float32),
-                           "y": np.int64(i % 4)})
-    return str(path)
+    return write_rows_dataset(tmp_path_factory.mktemp("data") / "train", 256, features=16, classes=4,
+                              max_rows=32)
 
 
 @pytest.mark.parametrize("amp", ["none", "bf16"])
@@ -81,6 +64,27 @@ def test_steps_that_do_not_log_never_sync_the_gpu(one_gpu_rank: runtime.Runtime,
     stops.drain()
     loss, _ = window.close(run.step)
     assert loss > 0
+
+
+def test_batches_copied_on_the_side_stream_arrive_intact(dataset: str) -> None:
+    from orchestrator.training.device_batches import to_device
+    from sharding import ShardedSampler, make_loader, open_dataset
+
+    ds = open_dataset(dataset)
+
+    def loader(pin: bool) -> object:
+        return make_loader(ds, ShardedSampler(ds.shard_counts, world_size=1, rank=0, seed=0), 16,
+                           pin_memory=pin)
+
+    fields = ("x", "x_mask", "y", "is_pad")
+    expected = [dict(b) for b in loader(False)]  # type: ignore[attr-defined]
+    got = list(to_device(loader(True), torch.device("cuda", 0), fields))  # type: ignore[arg-type]
+    assert len(got) == len(expected)
+    for batch, want in zip(got, expected, strict=True):
+        assert all(batch[k].is_cuda for k in fields) and not batch["index"].is_cuda
+        for k in fields:
+            # computed on the compute stream, as a step would: it waits for this batch's copy
+            assert torch.equal(batch[k].cpu(), want[k]), k
 
 
 def train(tmp_path: Path, *overrides: str) -> dict[str, object]:

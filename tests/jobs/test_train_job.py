@@ -86,7 +86,7 @@ def test_same_config_in_debug_mode(tmp_path: Path) -> None:
     ("checkpoint.dir=/proc/version/ckpt", "checkpoint.dir='/proc/version/ckpt' is invalid: /proc/version "
                                           "(on its path) is a file"),
     ("cluster=local parallelism.nodes=2 parallelism.gpus_per_node=1",
-     "parallelism.nodes=2 is invalid with GPUs in cluster=local"),
+     "parallelism.nodes=2 is invalid: GPUs in cluster=local run on this machine, one rank per GPU"),
 ])
 def test_bad_input_fails_before_submitting(tmp_path: Path, override: str, message: str) -> None:
     proc = train(tmp_path, *override.split(), "data.num_classes=4")

@@ -17,16 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
-import torch.distributed as dist
+from rank_helpers import one_rank, write_rows_dataset
 from torch.overrides import TorchFunctionMode
 
 from orchestrator.config import DataConfig, MemoryConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
-from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime, trainer
-from sharding import DatasetWriter
 
 HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy", "cpu"}
 
@@ -46,36 +42,27 @@ class HostReads(TorchFunctionMode):
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                  master_addr="127.0.0.1", hostname="here", job_id="t", restart_count=0, source="single")
-    yield runtime.Runtime(env=env, device=torch.device("cpu"), backend="gloo")
-    dist.destroy_process_group()
+def rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
+    with one_rank(tmp_path_factory.mktemp("pg")) as rt:
+        yield rt
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("data") / "train"
-    rng = np.random.default_rng(0)
-    with DatasetWriter(path) as writer:
-        for i in range(64):
-            writer.append({"x": rng.normal(size=(int(rng.integers(0, 9)), 5)).astype(np.float32),
-                           "y": np.int64(i % 3)})
-    return str(path)
+    return write_rows_dataset(tmp_path_factory.mktemp("data") / "train", 64, features=5, classes=3,
+                              max_rows=8)
 
 
 @pytest.mark.parametrize("amp", ["none", "bf16"])
-def test_a_step_that_does_not_log_reads_nothing_on_the_host(one_rank: runtime.Runtime, dataset: str,
+def test_a_step_that_does_not_log_reads_nothing_on_the_host(rank: runtime.Runtime, dataset: str,
                                                            tmp_path: Path, amp: str) -> None:
     cfg = TrainConfig(model=MlpConfig(), data=DataConfig(path=dataset, num_classes=3, batch_size=8),
                       optim=OptimConfig(name="sgd", grad_accum_steps=2, clip_grad_norm=1.0, max_steps=10),
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
-    run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, one_rank)
+    run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, rank)
     stream = run.batches()
     batches = iter([next(stream) for _ in range(6)])  # the loader's own work is not the step's
-    window = trainer.MetricsWindow(one_rank, tmp_path / "metrics.jsonl")
+    window = trainer.MetricsWindow(rank, tmp_path / "metrics.jsonl")
     with HostReads() as counted:
         for _ in range(3):
             window.add(run.optimizer_step(batches))

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from rank_helpers import one_rank
 from torch import nn
 
 from jobs.models import RowPoolingMLP, RowTransformer
 from orchestrator.config import DataConfig, MemoryConfig, OptimConfig, TrainConfig
-from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime, trainer
 from sharding import collate_padded
 
@@ -22,12 +21,8 @@ from sharding import collate_padded
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
     """A real one-rank gloo process group, so DDP and no_sync run for real."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                  master_addr="127.0.0.1", hostname="here", job_id="t", restart_count=0, source="single")
-    yield runtime.Runtime(env=env, device=torch.device("cpu"), backend="gloo")
-    dist.destroy_process_group()
+    with one_rank(tmp_path_factory.mktemp("pg")) as rt:
+        yield rt
 
 
 def make_batch(seed: int, size: int, pad_last: bool = False) -> dict[str, torch.Tensor]:
