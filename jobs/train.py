@@ -136,7 +136,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
         if not cfg.cluster.wait:
             print(f"not waiting (cluster.wait=false): follow it with squeue -j {job.job_id}")
             return None
-    summary = submit.results(job)[0]
+    summary = submit.results(job, run_dir)[0]
     for warning in summary.get("checkpoint_warnings") or []:  # also in summary.json
         print(f"warning: {warning}", file=sys.stderr)
     if summary.get("resumed_from"):

@@ -21,7 +21,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import dist_env, local_jobs
+from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query
 
 R = TypeVar("R")
 
@@ -177,9 +177,10 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
 
 
 def stop_local(job: LocalJob[Any]) -> None:
-    """Stop every rank of a local job now: submitit's cancel, which a process with SIGINT
-    ignored never acts on, and SIGKILL to the ranks (``local_jobs``, which explains why)."""
-    job.cancel(check=False)
+    """Stop every rank of a local job now: SIGKILL to the ranks (``local_jobs``, which explains
+    why), after which the controller sees them exit and returns. Not submitit's cancel: its
+    SIGINT ends the controller in a KeyboardInterrupt traceback on the user's terminal and marks
+    the job INTERRUPTED, as if the user had pressed Ctrl-C."""
     local_jobs.kill(int(job.job_id))
 
 
@@ -202,8 +203,8 @@ def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
         if not task.paths.result_pickle.exists():
             # The job has ended: a missing result will not appear (submitit would wait 15 s per
             # rank for it). The rank was killed, or the job died before it could write one.
-            outcomes.append(RankOutcome(rank, no_output=f"no result (job state {job.state}); "
-                                        f"log tail:\n{_read_tail(task.paths.stderr, 15)}"))
+            outcomes.append(RankOutcome(rank, no_output=f"no result; log tail:\n"
+                                        f"{_read_tail(task.paths.stderr, 15) or '(empty)'}"))
             continue
         try:
             outcomes.append(RankOutcome(rank, result=task.result()))
@@ -214,11 +215,12 @@ def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
     return outcomes
 
 
-def results(job: submitit.Job[R]) -> list[R]:
+def results(job: submitit.Job[R], run_dir: Path | None = None) -> list[R]:
     """Every rank's return value, or :class:`JobFailedError` naming who failed and why.
 
-    Debug jobs run in this process when asked for their result, and their exceptions propagate
-    unchanged, so a debugger stops where the error happened.
+    ``run_dir`` holds the ranks' heartbeats (``heartbeat``): with it, a hang names the rank the
+    others waited for. Debug jobs run in this process when asked for their result, and their
+    exceptions propagate unchanged, so a debugger stops where the error happened.
     """
     if isinstance(job, submitit.DebugJob):
         return job.results()
@@ -226,17 +228,23 @@ def results(job: submitit.Job[R]) -> list[R]:
     outcomes = rank_outcomes(job)
     if all(o.error is None and o.no_output is None for o in outcomes):
         return [o.result for o in outcomes]
-    raise failure(job, outcomes, died)
+    raise failure(job, outcomes, died, run_dir)
 
 
 # Errors a rank raises because *another* rank went away: consequences, not causes.
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator)|"
                         r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout|DistNetworkError")
+# A collective that waited too long: gloo raises on the waiting ranks, NCCL's watchdog aborts them.
+_COLLECTIVE_TIMEOUT = re.compile(r"Application timeout caused pair closure|Timed out waiting|"
+                                 r"Watchdog caught collective operation timeout|"
+                                 r"ProcessGroup\w* .*timed out|Socket Timeout")
 
 
-def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]]) -> list[RankOutcome]:
+def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]],
+                hung: Sequence[int] = ()) -> list[RankOutcome]:
     """Which ranks caused the failure, strongest evidence first.
 
+    0. the ranks a hang verdict names (``hung``): the others' errors are their timeouts;
     1. a rank killed by a signal (SIGKILL, the OOM killer, a segfault): srun reports it, and the
        ranks that then lose their connection to it raise errors that only describe the loss;
     2. a rank that raised an error of its own (not a lost peer);
@@ -244,26 +252,33 @@ def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]]) -> lis
     4. ranks that left no result at all.
     """
     by_rank = {o.rank: o for o in outcomes}
+    named = [by_rank[r] for r in hung if r in by_rank]
     signalled = [by_rank[r] for r, why in died if not why.startswith("exited") and r in by_rank]
     own_errors = [o for o in outcomes if o.error is not None and not _PEER_LOST.search(o.error)]
     first_exit = [by_rank[r] for r, _ in died[:1] if r in by_rank]
     raised = [o for o in outcomes if o.error is not None]
-    for candidates in (signalled, own_errors, first_exit, raised):
+    for candidates in (named, signalled, own_errors, first_exit, raised):
         if candidates:
             return list(dict.fromkeys(candidates))  # unique, order kept
     return [o for o in outcomes if o.no_output is not None]
 
 
 def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
-            died_locally: Sequence[tuple[int, str]] = ()) -> JobFailedError:
+            died_locally: Sequence[tuple[int, str]] = (), run_dir: Path | None = None
+            ) -> JobFailedError:
     died = [*died_locally, *srun_task_failures(job)]
     reasons = dict(died)
-    culprits = culprits_of(outcomes, died)
-    lines = [f"job {job.job_id} failed ({job.state}):"]
+    lines = [f"job {job.job_id} failed ({final_state(job)}):"]
+    hang = hang_verdict(outcomes, run_dir)
+    if hang is not None:
+        lines.append(f"collective timeout: {hang.summary}.")
+    culprits = culprits_of(outcomes, died, hang.ranks if hang else ())
     reporter = "Switchyard saw" if isinstance(job, LocalJob) else "srun reports"
     for o in culprits[:4]:
         node = node_of(job, o.rank)
         cause = f"{reporter} the task {reasons[o.rank]}; " if o.rank in reasons and o.error is None else ""
+        if hang is not None and o.rank in hang.why:
+            cause = f"{hang.why[o.rank]}. Its log ends: "
         lines.append(f"rank {o.rank}{f' on node {node}' if node else ''}: "
                      f"{cause}{_tail(o.error or o.no_output or '', 25)}")
     others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})
@@ -271,6 +286,29 @@ def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
         lines.append(f"ranks {others} were stopped after rank {culprits[0].rank} failed.")
     lines.append(f"logs: {job.paths.folder}")
     return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
+
+
+def hang_verdict(outcomes: Sequence[RankOutcome], run_dir: Path | None) -> heartbeat.Verdict | None:
+    """The heartbeats' verdict when the failure is a collective that timed out; None otherwise."""
+    if run_dir is None or not any(_COLLECTIVE_TIMEOUT.search(o.error or o.no_output or "")
+                                  for o in outcomes):
+        return None
+    world = len(outcomes)
+    return heartbeat.verdict([b for b in heartbeat.read_beats(run_dir) if b.rank < world], world)
+
+
+def final_state(job: submitit.Job[Any]) -> str:
+    """The job's state for a failure report. A local job that failed is FAILED whatever its
+    controller's exit says; on SLURM, sacct records the end a moment after the ranks' results
+    appear, so it is asked (briefly) rather than printing a stale RUNNING."""
+    if isinstance(job, LocalJob):
+        return "FAILED"
+    try:
+        states = slurm_query.wait_for_terminal_states([str(job.job_id)], timeout_s=20)
+    except slurm_query.SlurmQueryError:
+        return job.state
+    state = states.get(str(job.job_id))
+    return state if state in slurm_query.TERMINAL_STATES else job.state
 
 
 # Not anchored at a line start: a progress bar's last "\r" frame has no newline after it.

@@ -656,7 +656,7 @@ def outcome(item: Launched) -> JobReturn:
     from orchestrator.launch import submit
 
     try:
-        return cast("JobReturn", submit.results(item.job)[0])
+        return cast("JobReturn", submit.results(item.job, item.point.run_dir)[0])
     except submit.JobFailedError as e:
         saved = result_path(item.point.run_dir, str(item.job.job_id))
         if saved.exists():

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from orchestrator import atomic
 from orchestrator.config import ConfigError, DataConfig, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.launch import dist_env
+from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import record_rank_peak, register_rank
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
@@ -318,8 +319,10 @@ class StopPoll:
 class Trainer:
     """State of one rank's run; ``run()`` is the loop, the rest are its named steps."""
 
-    def __init__(self, cfg: TrainConfig, paths: DataPaths, run_dir: Path, rt: Runtime) -> None:
+    def __init__(self, cfg: TrainConfig, paths: DataPaths, run_dir: Path, rt: Runtime,
+                 pulse: Heartbeat | None = None) -> None:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
+        self.pulse = pulse  # where this rank is, for the hang verdict (heartbeat's docstring)
         self.train_ds: ShardedDataset = open_dataset(paths.train)
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
         num_classes = output_classes(cfg.data)
@@ -375,7 +378,9 @@ class Trainer:
 
     def optimizer_step(self, stream: Iterator[Batch]) -> torch.Tensor:
         """k micro-batches, then one optimizer step; returns [loss sum, real sample count] on the device."""
+        self.mark("data")
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
+        self.mark("compute")
         sums = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler)
         self.batches_seen += len(batches)
         self.sampler.advance(sum(len(b["index"]) for b in batches))
@@ -392,6 +397,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes (atomically) while the others wait; RNG states come from every rank."""
+        self.mark("checkpoint")
         per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
                                             "batches": self.batches_seen})
         if self.rt.is_main:
@@ -462,6 +468,10 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         return Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
 
+    def mark(self, phase: str) -> None:
+        if self.pulse is not None:
+            self.pulse.mark(self.step, phase)
+
     def due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
 
@@ -484,6 +494,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
                 bar.update(1)
                 if self.eval_ds is not None and self.due(cfg.eval_every_steps):
+                    self.mark("eval")
                     eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
                 if self.due(cfg.checkpoint.every_steps):
                     self.save_checkpoint()
@@ -493,6 +504,7 @@ class Trainer:
                     self.stop_for(reason)
         stops.drain()
         if self.eval_ds is not None and not self.due(cfg.eval_every_steps):
+            self.mark("eval")
             eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
         self.save_checkpoint()
         return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
@@ -546,13 +558,16 @@ def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, An
     sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
+    pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        with sampler or contextlib.nullcontext():
-            summary = Trainer(cfg, paths, run, rt).run()
-        record_rank_peak(run, env.rank, report.device_index)
-        torch.distributed.barrier()  # every node's sampler has stopped and every peak is written
+        with pulse:
+            with sampler or contextlib.nullcontext():
+                summary = Trainer(cfg, paths, run, rt, pulse).run()
+            pulse.mark(summary["steps"], "done")
+            record_rank_peak(run, env.rank, report.device_index)
+            torch.distributed.barrier()  # every node's sampler has stopped and every peak is written
         if rt.is_main:
             summary["memory"] = summarize(run)
             write_summary(run, summary)

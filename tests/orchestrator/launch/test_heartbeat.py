@@ -1,0 +1,88 @@
+"""Which rank hung: the heartbeat verdict on its own, and end to end on a real local job whose rank 1
+is frozen with SIGSTOP mid-training (the waiting rank times out in its collective)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.launch.heartbeat import Beat, Heartbeat, read_beats, verdict
+
+
+def beat(rank: int, at: float, step: int = 10, phase: str = "compute") -> Beat:
+    return Beat(rank=rank, node="n1", pid=100 + rank, beat=5, time=at, step=step, phase=phase,
+                interval_s=1.0)
+
+
+def test_a_rank_whose_beats_stopped_long_before_the_others_is_named() -> None:
+    found = verdict([beat(0, 100.0), beat(1, 80.0), beat(2, 99.5), beat(3, 100.2)], 4)
+    assert found.ranks == [1]
+    assert "stopped answering" in found.why[1] and "pid 101 on node n1" in found.why[1]
+
+
+def test_a_skew_under_the_interval_blames_nobody_for_freezing() -> None:
+    found = verdict([beat(0, 100.0), beat(1, 99.2), beat(2, 100.4)], 3)
+    assert found.ranks == [] and "cannot tell which rank hung" in found.summary
+
+
+def test_a_rank_alive_but_behind_in_its_step_is_the_one_waited_for() -> None:
+    found = verdict([beat(0, 100.0, 12, "compute"), beat(1, 100.0, 12, "data"),
+                     beat(2, 100.0, 12, "compute")], 3)
+    assert found.ranks == [1] and "fell behind" in found.why[1]
+
+
+def test_a_rank_that_never_beat_is_named() -> None:
+    assert verdict([beat(0, 100.0), beat(2, 100.0)], 3).ranks == [1]
+
+
+def test_heartbeat_writes_its_progress_and_advances(tmp_path: Path) -> None:
+    with Heartbeat(tmp_path, 3, "n2", interval_s=0.05) as pulse:
+        pulse.mark(7, "eval")
+        time.sleep(0.3)
+    [last] = read_beats(tmp_path)
+    assert (last.rank, last.node, last.step, last.phase, last.pid) == (3, "n2", 7, "eval", os.getpid())
+    assert last.beat >= 3
+
+
+def test_a_frozen_rank_is_named_and_the_failure_reads_as_a_failure(tmp_path: Path) -> None:
+    """Before: 'job N failed (INTERRUPTED)', rank 0 blamed for rank 1's hang, and a
+    KeyboardInterrupt traceback from submitit's controller on the user's terminal."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", "optim.max_steps=1000000", "data.demo_num_samples=512",
+         "data.batch_size=16", "telemetry.enabled=false", "cluster.collective_timeout_s=6",
+         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        frozen = _pid_once_training(run_dir / "heartbeat" / "rank-1.json", proc)
+        os.kill(frozen, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    report = err[err.index("error: job"):]
+    assert "failed (FAILED)" in report.splitlines()[0]
+    assert "rank 1 stopped answering" in report
+    culprit = next(line for line in report.splitlines() if line.startswith("rank "))
+    assert culprit.startswith("rank 1 ") and f"pid {frozen}" in culprit, report
+    assert "ranks [0] were stopped after rank 1" in report
+    assert "KeyboardInterrupt" not in err and "INTERRUPTED" not in err
+
+
+def _pid_once_training(path: Path, proc: subprocess.Popen[str]) -> int:
+    """Rank 1's pid once its heartbeat shows it past a few steps."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            record = json.loads(path.read_text())
+            if record["step"] >= 3:
+                return int(record["pid"])
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"rank 1 never reported training (exit {proc.poll()})")
