@@ -8,9 +8,11 @@ the rank's main thread is (step and phase: two attribute writes per step, no I/O
 
 After a failure the submitting side reads the last beats (``verdict``):
 
-- a rank whose last beat is several intervals older than the others' stopped answering: its whole
-  process froze (SIGSTOP, swapped out, a driver call that never returns while holding the GIL) or
-  its node went away;
+- a rank whose last beat is several intervals older than the others', or whose beats once paused
+  for several intervals, stopped answering: its whole process froze (SIGSTOP, swapped out, a
+  driver call that never returns while holding the GIL) or its node went away. The pause counts
+  too because SLURM sends SIGCONT before it terminates a step: a stopped rank wakes up and beats
+  once more before it dies, so its last beat alone looks fresh;
 - otherwise, every rank kept beating until the job was stopped, and the ranks furthest behind in
   (step, phase) are the ones the others waited for (a data read or a loop of their own);
 - otherwise the heartbeats cannot tell, and the report says so instead of guessing.
@@ -57,6 +59,7 @@ class Beat:
     step: int
     phase: str
     interval_s: float
+    longest_pause_s: float = 0.0  # the longest time between two of this rank's beats
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -74,6 +77,8 @@ class Heartbeat:
         self.rank, self.node, self.interval_s = rank, node, interval_s
         self.step, self.phase = 0, "start"
         self._count = 0
+        self._last = time.monotonic()
+        self._longest_pause_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="switchyard-heartbeat", daemon=True)
 
@@ -81,9 +86,13 @@ class Heartbeat:
         self.step, self.phase = step, phase
 
     def beat(self) -> None:
+        now = time.monotonic()
         self._count += 1
+        self._longest_pause_s = max(self._longest_pause_s, now - self._last)
+        self._last = now
         record = Beat(rank=self.rank, node=self.node, pid=os.getpid(), beat=self._count,
-                      time=time.time(), step=self.step, phase=self.phase, interval_s=self.interval_s)
+                      time=time.time(), step=self.step, phase=self.phase, interval_s=self.interval_s,
+                      longest_pause_s=round(self._longest_pause_s, 3))
         with contextlib.suppress(OSError):  # a full or flaky disk must not kill the training
             atomic.write_json(self.path, asdict(record), durable=False)
 
@@ -124,11 +133,16 @@ def verdict(beats: Sequence[Beat], world_size: int) -> Verdict:
     newest = max(b.time for b in beats)
     interval = max(b.interval_s for b in beats)
     silent = sorted(set(range(world_size)) - {b.rank for b in beats})
-    frozen = [b for b in beats if newest - b.time > STALE_INTERVALS * interval]
+    stale = STALE_INTERVALS * interval
+    frozen = {b.rank: f"its last heartbeat was {newest - b.time:.0f} s before the others'"
+              for b in beats if newest - b.time > stale}
+    frozen.update({b.rank: f"its heartbeat paused for {b.longest_pause_s:.0f} s"
+                   for b in beats if b.rank not in frozen and b.longest_pause_s > stale})
     if frozen or silent:
-        why = {b.rank: f"stopped answering: its last heartbeat was {newest - b.time:.0f} s before "
-                       f"the others' ({b.where()}); its process froze (stopped, swapped out, a "
-                       f"call that never returned) or its node went away" for b in frozen}
+        where = {b.rank: b.where() for b in beats}
+        why = {r: f"stopped answering: {what} ({where[r]}); its process froze (stopped, swapped "
+                  f"out, a call that never returned) or its node went away"
+               for r, what in frozen.items()}
         why.update({r: "left no heartbeat: it never started training" for r in silent})
         ranks = sorted(why)
         return Verdict(ranks, why, f"rank{'s' if len(ranks) > 1 else ''} "

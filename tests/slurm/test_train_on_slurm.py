@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -46,3 +47,38 @@ def test_not_waiting_returns_after_submission(tmp_path: Path) -> None:
     assert "not waiting" in proc.stdout
     assert slurm_query.wait_for_terminal_states([job_id], timeout_s=300)[job_id] == "COMPLETED"
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_frozen_rank_is_named_on_slurm(tmp_path: Path) -> None:
+    """Before: every rank was listed as a culprit under 'failed (RUNNING)'. The cluster's nodes
+    are this machine, so rank 3's process (on n2) can be frozen from here."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
+         "optim.max_steps=1000000", "data.demo_num_samples=512", "data.batch_size=16",
+         "telemetry.enabled=false", "cluster.collective_timeout_s=8",
+         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, record = time.monotonic() + 240, {"step": -1}
+        while time.monotonic() < deadline and proc.poll() is None and record["step"] < 3:
+            time.sleep(0.3)
+            with contextlib.suppress(OSError, ValueError):
+                record = json.loads((run_dir / "heartbeat" / "rank-3.json").read_text())
+        assert record["step"] >= 3, f"rank 3 never trained (exit {proc.poll()})"
+        os.kill(int(record["pid"]), signal.SIGSTOP)
+        _out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        for submitted in (run_dir / "submitit").glob("*_submitted.pkl"):  # pass or fail: free the nodes
+            subprocess.run(["scancel", submitted.name.split("_")[0]], check=False)
+    assert proc.returncode == 2, err[-3000:]
+    report = err[err.index("error: job"):]
+    assert re.match(r"error: job \S+ failed \((FAILED|CANCELLED)\)", report), report
+    assert "rank 3 stopped answering" in report
+    culprits = [line for line in report.splitlines() if re.match(r"rank \d+ on node", line)]
+    assert len(culprits) == 1 and culprits[0].startswith("rank 3 on node n2"), report

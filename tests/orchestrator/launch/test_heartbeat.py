@@ -61,7 +61,7 @@ def test_a_frozen_rank_is_named_and_the_failure_reads_as_a_failure(tmp_path: Pat
     try:
         frozen = _pid_once_training(run_dir / "heartbeat" / "rank-1.json", proc)
         os.kill(frozen, signal.SIGSTOP)
-        out, err = proc.communicate(timeout=240)
+        _out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
     assert proc.returncode == 2, err[-3000:]
@@ -86,3 +86,21 @@ def _pid_once_training(path: Path, proc: subprocess.Popen[str]) -> int:
             pass
         time.sleep(0.2)
     raise AssertionError(f"rank 1 never reported training (exit {proc.poll()})")
+
+
+def test_a_rank_that_paused_then_woke_is_still_named() -> None:
+    """SLURM sends SIGCONT before terminating a step: the frozen rank beats once more before dying."""
+    woke = Beat(rank=1, node="n1", pid=101, beat=6, time=100.5, step=10, phase="compute",
+                interval_s=1.0, longest_pause_s=9.0)
+    found = verdict([beat(0, 100.0), woke, beat(2, 100.1)], 3)
+    assert found.ranks == [1] and "paused for 9 s" in found.why[1]
+
+
+def test_heartbeat_measures_its_longest_pause(tmp_path: Path) -> None:
+    pulse = Heartbeat(tmp_path, 0, "n1", interval_s=10.0)
+    pulse.path.parent.mkdir(parents=True)
+    pulse.beat()
+    time.sleep(0.3)  # as if the process had been stopped between two beats
+    pulse.beat()
+    [last] = read_beats(tmp_path)
+    assert last.longest_pause_s >= 0.3
