@@ -28,7 +28,7 @@ from orchestrator.config import (
     register_configs,
     unknown_keys,
 )
-from orchestrator.launch import dist_env, submit
+from orchestrator.launch import dist_env, slurm_request, submit
 from orchestrator.training import trainer
 from sharding import DatasetError, open_dataset
 
@@ -73,11 +73,20 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
     with torch.device("meta"):  # builds the model's structure without allocating its weights
         trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
+    if cfg.cluster.mode == "slurm":
+        slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
+                            request_keys(cfg.parallelism))
     if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
         raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
                           f"{torch.cuda.device_count()})")
     return paths
+
+
+def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
+    """The config keys behind each sbatch value, for an error that names the one to change."""
+    tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
+    return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
 
 
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
@@ -136,6 +145,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
         if not cfg.cluster.wait:
             print(f"not waiting (cluster.wait=false): follow it with squeue -j {job.job_id}")
             return None
+        submit.watch_pending(job, cfg.cluster.never_starts)
     summary = submit.results(job, run_dir)[0]
     for warning in summary.get("checkpoint_warnings") or []:  # also in summary.json
         print(f"warning: {warning}", file=sys.stderr)

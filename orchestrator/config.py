@@ -77,6 +77,9 @@ class ParallelismConfig:
         return self.nodes * self.tasks_per_node
 
 
+NEVER_STARTS = ("cancel", "keep")
+
+
 @dataclass
 class ClusterConfig:
     """Where the job runs. ``debug``: in this process; ``local``: N processes here; ``slurm``."""
@@ -97,6 +100,7 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (the one place for shell)
     srun_args: list[str] = field(default_factory=list)  # extra srun arguments, one per item
     wait: bool = True  # slurm: block until the job ends and report its result; false: print and return
+    never_starts: str = "cancel"  # a waited-for job pending for a reason it can never meet: cancel | keep
     rendezvous_timeout_s: float = 180.0  # how long ranks wait to find rank 0 before failing
     collective_timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
 
@@ -109,6 +113,12 @@ class ClusterConfig:
         _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
         for i, arg in enumerate(self.srun_args):
             _check_sbatch_value(f"cluster.srun_args[{i}]", arg, _SBATCH_SAFE)
+        if self.never_starts not in NEVER_STARTS:
+            raise invalid("cluster.never_starts", self.never_starts, f"choose one of {NEVER_STARTS}",
+                          "cluster.never_starts=cancel")
+        if self.mem_gb is not None and int(self.mem_gb * 1024) < 1:  # sbatch reads --mem=0 as "all of it"
+            raise invalid("cluster.mem_gb", self.mem_gb, "must be at least 1 MiB (0.001); sbatch would "
+                          "read the 0M it rounds to as the whole node's memory", "cluster.mem_gb=null")
         for key in ("timeout_min", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")

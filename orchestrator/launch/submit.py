@@ -20,8 +20,8 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
-from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
+from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query, slurm_request
 
 R = TypeVar("R")
 
@@ -39,6 +39,10 @@ class JobFailedError(RuntimeError):
         self.failed_ranks = failed_ranks
 
 
+class SubmissionError(ConfigError):
+    """sbatch refused the job, or it can never start; nothing of it is left queued."""
+
+
 def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
                   folder: Path) -> submitit.Executor:
     """The executor for ``cluster.mode``; one task per GPU, or per process on CPU."""
@@ -48,9 +52,19 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
         executor: submitit.Executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(**local_parameters(cluster, parallelism))
         return executor
+    check_log_folder(folder)
     slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     slurm.update_parameters(**slurm_parameters(cluster, parallelism))
     return slurm
+
+
+def check_log_folder(folder: Path) -> None:
+    """The job's log paths go into ``#SBATCH --output``, where sbatch expands ``%j``, ``%x``, ...:
+    a ``%`` in the run directory would send the logs where submitit never looks for them."""
+    if "%" in str(folder):
+        raise ConfigError(f"hydra.run.dir={str(folder.parent)!r} is invalid: it holds '%', which "
+                          f"sbatch expands in log file names (%j: job id), so the job's logs and "
+                          f"results would land elsewhere (try hydra.run.dir=<a path without %>)")
 
 
 def local_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
@@ -123,7 +137,31 @@ class RankEntry:
 
 def submit(executor: submitit.Executor, fn: Callable[..., R], *args: Any, **kwargs: Any
            ) -> submitit.Job[R]:
-    return executor.submit(RankEntry(fn), *args, **kwargs)
+    """Queue ``fn`` on every rank; an sbatch refusal is one line naming sbatch's reason."""
+    try:
+        return executor.submit(RankEntry(fn), *args, **kwargs)
+    except (FailedJobError, submitit.core.utils.FailedSubmissionError) as e:  # submitit raises either
+        said = " ".join(line.removeprefix("sbatch: error: ").strip()
+                        for line in str(e).splitlines() if "error" in line.lower())
+        raise SubmissionError(f"sbatch refused the job, nothing was queued: {said or e}") from e
+
+
+def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0) -> None:
+    """Wait while a SLURM job is pending; one whose pending reason it can never meet (a limit
+    below its request: ``slurm_request.UNSATISFIABLE``) is cancelled, or left queued with
+    ``cluster.never_starts=keep``, and reported instead of waited for forever."""
+    while isinstance(job, submitit.SlurmJob) and job.state in ("PENDING", "UNKNOWN", "REQUEUED"):
+        reason = slurm_request.never_starts(str(job.job_id))
+        if reason is not None:
+            if never_starts == "keep":
+                what = f"left it queued (cluster.never_starts=keep); scancel {job.job_id} removes it"
+            else:
+                job.cancel(check=False)
+                what = "cancelled it (cluster.never_starts=keep leaves such a job queued)"
+            raise SubmissionError(f"job {job.job_id} is pending for a reason it can never meet "
+                                  f"({reason}): its request exceeds a limit of its partition, "
+                                  f"account or QOS as they are now; {what}")
+        time.sleep(poll_s)
 
 
 @dataclass(frozen=True)

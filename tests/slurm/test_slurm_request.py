@@ -1,0 +1,119 @@
+"""A request SLURM can never start is refused before anything is queued, naming the config key and a
+value that fits; one that slipped through is reported while pending, and cancelled or kept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import submitit
+
+from jobs.train import request_keys
+from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.launch import slurm_query, slurm_request, submit
+
+pytestmark = pytest.mark.slurm
+
+
+def queued() -> list[str]:
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def refusal(cluster: ClusterConfig, parallelism: ParallelismConfig) -> str:
+    before = queued()
+    with pytest.raises(slurm_request.SlurmRequestError) as caught:
+        slurm_request.check(submit.slurm_parameters(cluster, parallelism), request_keys(parallelism))
+    assert queued() == before, "a refused request must queue nothing"
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(("cluster", "parallelism", "names"), [
+    (ClusterConfig(mode="slurm"), ParallelismConfig(nodes=3),
+     ["parallelism.nodes=3", "partition debug has 2 node(s)", "(try parallelism.nodes=2)"]),
+    (ClusterConfig(mode="slurm", cpus_per_task=64), ParallelismConfig(),
+     ["cluster.cpus_per_task=64 needs 128 CPUs", "has 2", "(try cluster.cpus_per_task=1)"]),
+    (ClusterConfig(mode="slurm", mem_gb=100), ParallelismConfig(),
+     ["cluster.mem_gb=100", "(try cluster.mem_gb=23)"]),
+    (ClusterConfig(mode="slurm"), ParallelismConfig(gpus_per_node=3),
+     ["parallelism.gpus_per_node=3", "at most 2 GPUs", "(try parallelism.gpus_per_node=2)"]),
+    (ClusterConfig(mode="slurm", partition="nope"), ParallelismConfig(),
+     ["cluster.partition='nope' is not a partition here (partitions: debug)"]),
+    (ClusterConfig(mode="slurm", constraint="nosuchfeature"), ParallelismConfig(),
+     ["cluster.constraint='nosuchfeature'", "no node of the partition has that feature"]),
+])
+def test_a_request_that_can_never_start_is_refused_naming_the_key(
+        cluster: ClusterConfig, parallelism: ParallelismConfig, names: list[str]) -> None:
+    message = refusal(cluster, parallelism)
+    for name in names:
+        assert name in message, message
+    assert "sbatch --test-only said:" in message
+
+
+def test_a_request_that_fits_passes() -> None:
+    slurm_request.check(submit.slurm_parameters(ClusterConfig(mode="slurm"), ParallelismConfig(nodes=2)))
+
+
+def test_the_training_job_refuses_before_queueing(tmp_path: Path) -> None:
+    """Before: accepted, PENDING (PartitionNodeLimit) forever, the client silent."""
+    before = queued()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=3",
+         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: SLURM would never start this job, so nothing was queued: "
+                                  "parallelism.nodes=3"), proc.stderr
+    assert "Traceback" not in proc.stderr and "slurm_job_id" not in proc.stdout
+    assert queued() == before
+
+
+def test_an_sbatch_refusal_is_one_line(tmp_path: Path) -> None:
+    executor = submitit.SlurmExecutor(folder=tmp_path)
+    executor.update_parameters(**submit.slurm_parameters(
+        ClusterConfig(mode="slurm", constraint="nosuchfeature"), ParallelismConfig()))
+    with pytest.raises(submit.SubmissionError, match=r"^sbatch refused the job, nothing was queued: "
+                                                     r".*Invalid feature specification"):
+        submit.submit(executor, print)
+
+
+def test_a_percent_in_the_run_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(submit.ConfigError, match=r"holds '%'.*\(try hydra.run.dir="):
+        submit.make_executor(ClusterConfig(mode="slurm"), ParallelismConfig(), tmp_path / "a%jb" / "s")
+
+
+def pending_job(tmp_path: Path) -> submitit.SlurmJob[None]:
+    """A job sbatch accepts and SLURM can never start: 3 nodes from a 2-node partition."""
+    job_id = subprocess.run(["sbatch", "--parsable", "--nodes=3", "--wrap=true"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    return submitit.SlurmJob(folder=tmp_path, job_id=job_id)
+
+
+@pytest.mark.parametrize("choice", ["cancel", "keep"])
+def test_a_job_pending_for_a_reason_it_cannot_meet_is_reported(tmp_path: Path, choice: str) -> None:
+    job = pending_job(tmp_path)
+    try:
+        expected = rf"job {job.job_id} is pending for a reason it can never meet \(Partition\w+\)"
+        with pytest.raises(submit.SubmissionError, match=expected):
+            submit.watch_pending(job, choice, poll_s=0.5)
+        if choice == "cancel":
+            states = slurm_query.wait_for_terminal_states([job.job_id], timeout_s=30)
+            assert states[job.job_id] == "CANCELLED"
+        else:
+            assert job.job_id in queued(), "keep leaves the job queued"
+    finally:
+        subprocess.run(["scancel", job.job_id], check=False)
+
+
+@pytest.mark.parametrize(("text", "minutes"), [("UNLIMITED", None), ("30", 30), ("1-00:00:00", 1440),
+                                                ("02:30:00", 150), ("10:30", 11)])
+def test_partition_time_limits_parse(text: str, minutes: int | None) -> None:
+    assert slurm_request._limit(text, slurm_request._minutes) == minutes
+
+
+@pytest.mark.parametrize(("gres", "gpus"), [("gpu:4", 4), ("gpu:a100:8(S:0-1)", 8), ("(null)", 0),
+                                             ("gpu:2,shard:8", 2)])
+def test_gres_gpu_counts_parse(gres: str, gpus: int) -> None:
+    assert slurm_request._gpus(gres) == gpus
