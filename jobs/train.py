@@ -29,6 +29,7 @@ from orchestrator.config import (
     unknown_keys,
 )
 from orchestrator.launch import dist_env, slurm_request, submit
+from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import trainer
 from sharding import DatasetError, open_dataset
 
@@ -163,9 +164,11 @@ def main(cfg: DictConfig) -> None:
     try:
         run(load_config(cfg), Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, submit.JobFailedError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
+    if refused := refuse_control(sys.argv):
+        sys.exit(f"error: {refused}")
     main()

@@ -16,12 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = ("orchestrator", "sharding", "jobs", "hydra_plugins")
 
-BASE = {"orchestrator.config", "orchestrator.atomic"}
+BASE = {"orchestrator.config", "orchestrator.atomic", "orchestrator.terminal"}
 # unit -> the other first-party units it may import (a unit may always import itself)
 ALLOWED: dict[str, set[str]] = {
     "sharding": set(),
     "orchestrator.config": set(),
     "orchestrator.atomic": set(),
+    "orchestrator.terminal": set(),
     "orchestrator.localcluster": set(),
     "orchestrator.launch": BASE,
     "orchestrator.telemetry": BASE,
