@@ -6,9 +6,11 @@ ranks; ``cluster=slurm`` puts the same job on SLURM, ``cluster=debug`` runs it i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,12 +30,22 @@ from orchestrator.config import (
     register_configs,
     unknown_keys,
 )
-from orchestrator.launch import dist_env, slurm_request, submit
+from orchestrator.launch import attach, dist_env, rendezvous, run_lock, slurm_request, submit
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import trainer
 from sharding import DatasetError, open_dataset
 
 register_configs()
+
+
+def run_stamp(default: str) -> str:
+    """``hydra.run.dir``'s leaf: the time, or for an attached launch a name all its ranks share
+    (their clocks may disagree on the second) and a requeue of the same job finds again."""
+    name = dist_env.launch_name()
+    return f"attached/{name}" if name else default
+
+
+OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
 
 
 def load_config(cfg: DictConfig) -> TrainConfig:
@@ -132,14 +144,22 @@ def _check_dataset(key: str, path: str, cfg: TrainConfig) -> int:
     return trainer.feature_count(ds, x)
 
 
-def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
+def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any] | None:
     if dist_env.inside_launched_job():
         # A sweep point already running as its own SLURM job (every rank runs this): train here.
         # The launcher checked the config and prepared the data before submitting.
         return trainer.train_rank(cfg, data_paths(cfg), str(run_dir))
+    launch = dist_env.attached_launch()
+    if launch is not None:
+        return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
     print(f"run_dir: {run_dir}", flush=True)
     paths = check_before_submit(cfg)
+    run_lock.check_free(run_dir)
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit")
+    if cfg.cluster.dry_run:
+        print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
+              f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
+        return None
     job = submit.submit(executor, trainer.train_rank, cfg, paths, str(run_dir))
     if cfg.cluster.mode == "slurm":
         print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
@@ -147,10 +167,42 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
             print(f"not waiting (cluster.wait=false): follow it with squeue -j {job.job_id}")
             return None
         submit.watch_pending(job, cfg.cluster.never_starts)
-    summary = submit.results(job, run_dir)[0]
-    for warning in summary.get("checkpoint_warnings") or []:  # also in summary.json
+    return report(submit.results(job, run_dir)[0], run_dir)
+
+
+def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, explicit: set[str]
+                 ) -> dict[str, Any]:
+    """One rank of the user's own srun or torchrun (``orchestrator.launch.attach``): rank 0 checks
+    what the submitting side checks elsewhere, then every rank trains here."""
+    launcher = attach.describe(launch)
+    if launch.is_main:
+        print(f"run_dir: {run_dir}\nattached to {launcher}: {launch.world_size} ranks on "
+              f"{launch.num_nodes} node(s); cluster.mode={cfg.cluster.mode!r} is not used", flush=True)
+        with trainer.before_rendezvous(launch, run_dir):
+            cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(cfg.parallelism, launch,
+                                                                            explicit, launcher))
+            paths = check_before_submit(cfg)
+        summary = trainer.train_rank(cfg, paths, str(run_dir))
+        return report(summary, run_dir, notes=False)
+    # Rank 0 reports what fails before the rendezvous: one copy of the error, not one per rank.
+    try:
+        cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(cfg.parallelism, launch,
+                                                                        explicit, launcher))
+    except ConfigError:
+        sys.exit(2)
+    paths = data_paths(cfg)  # rank 0 generates the demo data before it serves the rendezvous
+    try:
+        return trainer.train_rank(cfg, paths, str(run_dir))
+    except rendezvous.RankZeroFailedError:
+        sys.exit(2)
+
+
+def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[str, Any]:
+    """What the submitting side prints at the end; an attached rank 0 (``notes=False``) printed
+    the checkpoint notes itself when it resumed."""
+    for warning in summary.get("checkpoint_warnings") or [] if notes else []:  # also in summary.json
         print(f"warning: {warning}", file=sys.stderr)
-    if summary.get("resumed_from"):
+    if notes and summary.get("resumed_from"):
         print(f"resumed from {summary['resumed_from']['path']} at step {summary['resumed_from']['step']}")
     print(f"summary: {run_dir / 'summary.json'}")
     print(json.dumps({k: summary[k] for k in ("world_size", "steps", "samples_per_rank",
@@ -162,7 +214,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
-        run(load_config(cfg), Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        run(load_config(cfg), Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
     except (ConfigError, submit.JobFailedError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         sys.exit(2)

@@ -101,6 +101,9 @@ class ClusterConfig:
     srun_args: list[str] = field(default_factory=list)  # extra srun arguments, one per item
     wait: bool = True  # slurm: block until the job ends and report its result; false: print and return
     never_starts: str = "cancel"  # a waited-for job pending for a reason it can never meet: cancel | keep
+    dry_run: bool = False  # slurm: print the sbatch script and the job's directory, queue nothing
+    sbatch_args: list[str] = field(default_factory=list)  # further #SBATCH options: ["--mail-type=END"]
+    dependency: str | None = None  # sbatch --dependency, e.g. afterok:1234 (prepare -> train -> eval)
     rendezvous_timeout_s: float = 180.0  # how long ranks wait to find rank 0 before failing
     collective_timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
 
@@ -113,6 +116,15 @@ class ClusterConfig:
         _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
         for i, arg in enumerate(self.srun_args):
             _check_sbatch_value(f"cluster.srun_args[{i}]", arg, _SBATCH_SAFE)
+        for i, arg in enumerate(self.sbatch_args):
+            sbatch_option(f"cluster.sbatch_args[{i}]", arg)
+        if self.dependency is not None and not _DEPENDENCY.match(self.dependency):
+            raise invalid("cluster.dependency", self.dependency, "not an sbatch dependency: TYPE:JOBID"
+                          "[:JOBID...] joined by ',' (all) or '?' (any), TYPE one of after, afterany, "
+                          "afterok, afternotok, aftercorr; or singleton", "cluster.dependency=afterok:1234")
+        if self.dry_run and self.mode != "slurm":
+            raise invalid("cluster.dry_run", self.dry_run, "it prints the sbatch script of "
+                          "cluster=slurm; other modes queue nothing", "cluster=slurm cluster.dry_run=true")
         if self.never_starts not in NEVER_STARTS:
             raise invalid("cluster.never_starts", self.never_starts, f"choose one of {NEVER_STARTS}",
                           "cluster.never_starts=cancel")
@@ -132,6 +144,40 @@ class ClusterConfig:
         for key in ("rendezvous_timeout_s", "collective_timeout_s"):
             if getattr(self, key) <= 0:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be > 0", f"cluster.{key}=180")
+
+
+_JOB_REF = r"\d+(?:_\d+)?(?:\+\d+)?"  # 1234, an array task 1234_7, and a +time delay
+_DEPENDENCY = re.compile(rf"^(?:singleton|(?:after|afterany|afterok|afternotok|aftercorr)"
+                         rf"(?::{_JOB_REF})+)(?:[,?](?:singleton|(?:after|afterany|afterok|afternotok|"
+                         rf"aftercorr)(?::{_JOB_REF})+))*$")
+# sbatch options Switchyard writes itself: set through these keys, never twice in one script.
+MANAGED_SBATCH = {
+    "nodes": "parallelism.nodes", "ntasks-per-node": "parallelism.procs_per_node or gpus_per_node",
+    "ntasks": "parallelism.*", "gpus-per-node": "parallelism.gpus_per_node", "gpus": "parallelism.*",
+    "cpus-per-task": "cluster.cpus_per_task", "time": "cluster.timeout_min", "mem": "cluster.mem_gb",
+    "partition": "cluster.partition", "account": "cluster.account", "qos": "cluster.qos",
+    "constraint": "cluster.constraint", "exclude": "cluster.exclude", "comment": "cluster.comment",
+    "job-name": "cluster.job_name", "signal": "cluster.signal_delay_s", "dependency": "cluster.dependency",
+    "output": "the job's directory (hydra.run.dir)", "error": "the job's directory (hydra.run.dir)",
+    "array": "a sweep (-m)", "wrap": "the job itself", "open-mode": "submitit (it appends)",
+    "requeue": "cluster.max_requeues", "no-requeue": "cluster.max_requeues",
+    "chdir": "the job itself", "export": "cluster.setup (export lines run before srun)",
+}
+_SBATCH_OPTION = re.compile(r"^--([a-z][a-z0-9-]*)(?:=(.+))?$")
+
+
+def sbatch_option(key: str, arg: str) -> tuple[str, str | bool]:
+    """One ``cluster.sbatch_args`` item -> (option, value or True); refused with the reason."""
+    _check_sbatch_value(key, arg, _SBATCH_SAFE)
+    match = _SBATCH_OPTION.match(arg)
+    if match is None:
+        raise invalid(key, arg, "write each option in its long form, --name=value or --name",
+                      f"{key}=--mail-type=END")
+    name, value = match.group(1), match.group(2)
+    if name in MANAGED_SBATCH:
+        raise invalid(key, arg, f"Switchyard writes --{name} itself, from {MANAGED_SBATCH[name]}",
+                      "that key instead")
+    return name, True if value is None else value
 
 
 def _check_sbatch_value(key: str, value: str | None, allowed: re.Pattern[str]) -> None:

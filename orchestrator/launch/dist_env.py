@@ -40,6 +40,7 @@ class DistEnv:
     restart_count: int  # SLURM_RESTART_COUNT: 0 on the first run, +1 per requeue
     source: Source
     master_port: int | None = None  # torchrun fixes the port; elsewhere rank 0 picks a free one
+    agent_store: bool = False  # torchrun's agent already serves the store: every rank is a client
 
     @property
     def is_main(self) -> bool:
@@ -102,10 +103,12 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     return DistEnv(rank=_int(env, "RANK"), local_rank=_int(env, "LOCAL_RANK"), world_size=world_size,
                    local_world_size=local_world, node_rank=_int(env, "GROUP_RANK", 0),
                    num_nodes=max(world_size // max(local_world, 1), 1),
-                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), hostname=socket.gethostname(),
+                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                   hostname=env.get("SLURMD_NODENAME") or socket.gethostname(),  # under srun: n1
                    job_id=env.get("TORCHELASTIC_RUN_ID", "torchrun"),
                    restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0), source="torchrun",
-                   master_port=_int(env, "MASTER_PORT", 29500))
+                   master_port=_int(env, "MASTER_PORT", 29500),
+                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
 
 
 def _from_submitit_local(env: Mapping[str, str]) -> DistEnv:
@@ -162,6 +165,35 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 
 IN_JOB_ENV = "SWITCHYARD_IN_JOB"
+
+
+def attached_launch(environ: Mapping[str, str] | None = None) -> DistEnv | None:
+    """This process's place in a launch that already happened outside Switchyard, or None.
+
+    Several tasks of an ``srun`` step, or a worker of ``torchrun`` (standalone, or under srun on
+    several nodes): the ranks are placed, so the entry point trains here as one of them instead of
+    submitting a job of its own per task. A single task (``srun -n1``, a batch script's shell) and
+    Switchyard's own tasks (submitit's, the sweep launcher's) are not attached.
+    """
+    env = os.environ if environ is None else environ
+    if inside_launched_job(env) or "SUBMITIT_LOCAL_GLOBALID" in env or "SUBMITIT_FOLDER" in env:
+        return None
+    found = detect(env)
+    if found.source == "torchrun" or (found.source == "slurm" and found.world_size > 1):
+        return found
+    return None
+
+
+def launch_name(environ: Mapping[str, str] | None = None) -> str | None:
+    """A name every rank of an attached launch computes alike (``slurm-12-step0``,
+    ``torchrun-<run id>``), stable across a requeue of the same job; None when not attached."""
+    env = os.environ if environ is None else environ
+    found = attached_launch(env)
+    if found is None:
+        return None
+    if found.source == "torchrun":
+        return f"torchrun-{found.job_id}"
+    return f"slurm-{found.job_id}-step{env.get('SLURM_STEP_ID', '0')}"
 
 
 def inside_launched_job(environ: Mapping[str, str] | None = None) -> bool:

@@ -109,6 +109,7 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.beat()  # where this rank ended, for a report on a failure after it
 
 
 def read_beats(run_dir: Path) -> list[Beat]:

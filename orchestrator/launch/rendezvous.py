@@ -30,6 +30,10 @@ class RendezvousError(RuntimeError):
     """The ranks could not find each other; the message says which side and what to check."""
 
 
+class RankZeroFailedError(RendezvousError):
+    """Rank 0 published a failure instead of its address; it reports the error itself."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     host: str
@@ -55,11 +59,19 @@ def publish(path: Path, endpoint: Endpoint) -> None:
     atomic.write_json(path, {"host": endpoint.host, "port": endpoint.port}, durable=False)
 
 
+def publish_failure(path: Path, message: str) -> None:
+    """Rank 0 failed before serving the store: the ranks waiting for its address stop now, with its
+    reason, instead of at the rendezvous timeout (an srun without --kill-on-bad-exit, say)."""
+    atomic.write_json(path, {"error": message}, durable=False)
+
+
 def wait_for_endpoint(path: Path, timeout_s: float) -> Endpoint:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             data = json.loads(path.read_text())
+            if "error" in data:
+                raise RankZeroFailedError(f"rank 0 stopped before training: {data['error']}")
             return Endpoint(host=str(data["host"]), port=int(data["port"]))
         except (OSError, ValueError, KeyError):
             time.sleep(0.05)
@@ -74,8 +86,9 @@ def start_store(env: DistEnv, rdzv_dir: Path, timeout_s: float) -> dist.TCPStore
     timeout = datetime.timedelta(seconds=timeout_s)
     if env.master_port is not None:  # torchrun already chose and serves the port
         resolve(env.master_addr)
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.is_main,
-                             timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                             env.is_main and not env.agent_store, timeout=timeout,
+                             wait_for_workers=False)
     path = endpoint_file(rdzv_dir, env)
     if env.is_main:
         resolve(env.master_addr)

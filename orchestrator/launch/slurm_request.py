@@ -30,7 +30,8 @@ CONFIG_KEYS = {"nodes": "parallelism.nodes", "ntasks_per_node": "parallelism.pro
                "mem": "cluster.mem_gb", "time": "cluster.timeout_min",
                "partition": "cluster.partition", "account": "cluster.account", "qos": "cluster.qos",
                "constraint": "cluster.constraint", "exclude": "cluster.exclude",
-               "job_name": "cluster.job_name", "comment": "cluster.comment"}
+               "job_name": "cluster.job_name", "comment": "cluster.comment",
+               "dependency": "cluster.dependency"}
 
 # squeue reasons that mean "never, as asked" (SLURM's job_reason list): a partition, association or
 # QOS limit the request exceeds, or names that are not valid.
@@ -44,12 +45,16 @@ UNSATISFIABLE = frozenset({
 
 
 # sbatch's words for a refused value -> the submitit parameters that may hold it, and the fix.
+# Options passed through cluster.sbatch_args and cluster.dependency sit in additional_parameters.
 REFUSAL_HINTS = (
     ("invalid feature specification", ("constraint",),
      "no node of the partition has that feature (list them with sinfo -o '%N %f')"),
     ("invalid account", ("account",), "not an account of yours (sacctmgr show assoc user=$USER)"),
     ("invalid qos", ("qos",), "not a QOS you may use (sacctmgr show assoc user=$USER format=qos)"),
     ("parameter too long", ("job_name", "comment"), "shorten it"),
+    ("reservation is invalid", ("reservation",), "no such reservation (scontrol show reservation)"),
+    ("dependency", ("dependency",), "that job does not exist or can no longer satisfy it "
+                                    "(sacct -j ID shows its state)"),
 )
 
 
@@ -82,9 +87,11 @@ def check(params: Mapping[str, Any], keys: Mapping[str, str] = CONFIG_KEYS) -> N
         key = keys["partition"]
         reasons = [f"{key}={params.get('partition')!r} is not a partition here (partitions: "
                    f"{', '.join(partitions())}) (try {key}=null for the default)"]
-    reasons += [f"{', '.join(f'{keys[p]}={params.get(p)!r}' for p in names if p in params)}: {fix}"
-                for said, names, fix in REFUSAL_HINTS
-                if said in refusal.lower() and any(p in params for p in names)]
+    given = {**params, **params.get("additional_parameters", {})}
+    for said, names, fix in REFUSAL_HINTS:
+        held = [f"{_key_of(p, keys)}={given[p]!r}" for p in names if p in given]
+        if said in refusal.lower() and held:
+            reasons.append(f"{', '.join(held)}: {fix}")
     listed = "; ".join(reasons) if reasons else "no partition limit explains it"
     raise SlurmRequestError(f"SLURM would never start this job, so nothing was queued: {listed}. "
                             f"sbatch --test-only said: {refusal}")
@@ -182,6 +189,10 @@ def never_starts(job_id: str, timeout_s: float = 30) -> str | None:
         if state == "PENDING" and reason.strip() in UNSATISFIABLE:
             return reason.strip()
     return None
+
+
+def _key_of(param: str, keys: Mapping[str, str]) -> str:
+    return keys.get(param) or f"cluster.sbatch_args --{param.replace('_', '-')}"
 
 
 def _run(argv: list[str], timeout_s: float = 30) -> str:

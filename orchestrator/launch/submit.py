@@ -20,7 +20,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, sbatch_option
 from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query, slurm_request
 
 R = TypeVar("R")
@@ -56,6 +56,13 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     slurm.update_parameters(**slurm_parameters(cluster, parallelism))
     return slurm
+
+
+def sbatch_script(executor: submitit.Executor) -> str:
+    """The sbatch script ``executor.submit`` would queue, byte for byte (submitit renders it the
+    same way when it submits; only the job id in the log paths is filled in by sbatch)."""
+    assert isinstance(executor, submitit.SlurmExecutor)
+    return executor._make_submission_file_text(executor._submitit_command_str, uid="")
 
 
 def check_log_folder(folder: Path) -> None:
@@ -108,6 +115,12 @@ def slurm_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig) -> 
         params["gpus_per_node"] = parallelism.gpus_per_node
     if cluster.mem_gb is not None:
         params["mem"] = f"{int(cluster.mem_gb * 1024)}M"
+    extra = dict(sbatch_option(f"cluster.sbatch_args[{i}]", arg)
+                 for i, arg in enumerate(cluster.sbatch_args))
+    if cluster.dependency is not None:
+        extra["dependency"] = cluster.dependency
+    if extra:  # submitit writes each as #SBATCH --name[=value] (its keys use '_' for '-')
+        params["additional_parameters"] = {name.replace("-", "_"): value for name, value in extra.items()}
     optional = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
                 "constraint": cluster.constraint, "exclude": cluster.exclude,
                 "comment": cluster.comment}
@@ -271,7 +284,8 @@ def results(job: submitit.Job[R], run_dir: Path | None = None) -> list[R]:
 
 # Errors a rank raises because *another* rank went away: consequences, not causes.
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator)|"
-                        r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout|DistNetworkError")
+                        r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout|DistNetworkError|"
+                        r"rank 0 stopped before training")
 # A collective that waited too long: gloo raises on the waiting ranks, NCCL's watchdog aborts them.
 _COLLECTIVE_TIMEOUT = re.compile(r"Application timeout caused pair closure|Timed out waiting|"
                                  r"Watchdog caught collective operation timeout|"

@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import json
 import math
+import os
 import random
 import resource
 import time
@@ -34,7 +35,7 @@ from tqdm import tqdm
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, DataConfig, MemoryConfig, OptimConfig, TrainConfig
-from orchestrator.launch import dist_env
+from orchestrator.launch import dist_env, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import record_rank_peak, register_rank
 from orchestrator.telemetry.preflight import preflight
@@ -546,12 +547,33 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:
-    """The function each rank runs (submitted through submitit in every mode).
+    """The function each rank runs (submitted through submitit in every mode, or in place when
+    attached to the user's own srun or torchrun).
 
-    Preflight runs before the process group, so a GPU-count mismatch fails in seconds instead of
-    after the rendezvous; one memory sampler per node (local rank 0) runs for the whole job.
+    Rank 0 holds the run directory's lock for the whole run (``run_lock``). Preflight runs before
+    the process group, so a GPU-count mismatch fails in seconds instead of after the rendezvous;
+    one memory sampler per node (local rank 0) runs for the whole job.
     """
     env, run = dist_env.detect(), Path(run_dir)
+    with contextlib.ExitStack() as held:
+        if env.is_main:
+            with before_rendezvous(env, run):
+                held.enter_context(run_lock.hold(run, f"job {env.job_id} (rank 0, pid {os.getpid()} "
+                                                      f"on {env.hostname})"))
+        return _train_rank(cfg, paths, run, env)
+
+
+@contextlib.contextmanager
+def before_rendezvous(env: dist_env.DistEnv, run: Path) -> Iterator[None]:
+    """Rank 0 failing here tells the ranks waiting for its address, so they stop with its reason."""
+    try:
+        yield
+    except ConfigError as e:
+        rendezvous.publish_failure(rendezvous.endpoint_file(run / "rendezvous", env), str(e))
+        raise
+
+
+def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.DistEnv) -> dict[str, Any]:
     report = preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size)
     print(report.describe(), flush=True)
     register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)

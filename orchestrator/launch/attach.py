@@ -1,0 +1,51 @@
+"""Training inside a launch that already happened: the user's own ``srun`` or ``torchrun``.
+
+Detected, not chosen (``dist_env.attached_launch``), as Lightning's ``SLURMEnvironment`` does: a
+process that is one of several srun tasks or a torchrun worker can only mean "be one rank of this
+launch". Submitting a job from each task instead (the old behaviour) started N unrelated jobs that
+all wrote one run directory.
+
+The launch decides the shape: ``parallelism.nodes`` and the tasks per node are taken from it. A
+value set on the command line that contradicts it is refused before the first step, naming both,
+since it says the user expected a different job than the one running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from orchestrator.config import ConfigError, ParallelismConfig
+from orchestrator.launch.dist_env import DistEnv
+
+
+def explicit_keys(overrides: Iterable[str]) -> set[str]:
+    """The keys a list of Hydra overrides sets (``+a.b=1``, ``a.b=1`` -> ``a.b``)."""
+    return {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+
+
+def fit_to_launch(parallelism: ParallelismConfig, launch: DistEnv, explicit: set[str],
+                  launcher: str) -> ParallelismConfig:
+    """``parallelism`` shaped like the launch; a contradicting explicit value is a ConfigError."""
+    tasks_key = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
+    tasks = parallelism.gpus_per_node or parallelism.procs_per_node
+    if "parallelism.nodes" in explicit and parallelism.nodes != launch.num_nodes:
+        raise ConfigError(f"parallelism.nodes={parallelism.nodes} contradicts the launch: {launcher} "
+                          f"started {launch.num_nodes} node(s) (try parallelism.nodes="
+                          f"{launch.num_nodes}, or leave it out: an attached run takes its shape "
+                          f"from the launch)")
+    if tasks_key in explicit and tasks != launch.local_world_size:
+        unit = "GPU" if parallelism.gpus_per_node > 0 else "process"
+        raise ConfigError(f"{tasks_key}={tasks} contradicts the launch: {launcher} started "
+                          f"{launch.local_world_size} task(s) on node {launch.hostname}, and each "
+                          f"task is one {unit} rank (try {tasks_key}={launch.local_world_size}, or "
+                          f"leave it out)")
+    if parallelism.gpus_per_node > 0:
+        return dataclasses.replace(parallelism, nodes=launch.num_nodes,
+                                   gpus_per_node=launch.local_world_size)
+    return dataclasses.replace(parallelism, nodes=launch.num_nodes, procs_per_node=launch.local_world_size)
+
+
+def describe(launch: DistEnv) -> str:
+    """'srun step of job 12' / 'torchrun', for messages."""
+    return f"srun (job {launch.job_id})" if launch.source == "slurm" else "torchrun"

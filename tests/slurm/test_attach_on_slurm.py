@@ -1,0 +1,160 @@
+"""The user's own sbatch script: srun and torchrun inside it give one job (README template, run as
+printed there), SIGTERM checkpoints and the rerun resumes exactly, and the dry run's script is the
+one really submitted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launch import slurm_query
+
+pytestmark = pytest.mark.slurm
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_LINE = "srun --kill-on-bad-exit=1 python -m jobs.train optim.max_steps=200"
+SMALL = ["data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=false"]
+# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run.
+LONG = ["model=transformer", "optim.max_steps=120", "data.demo_num_samples=1024", "data.batch_size=32",
+        "log_every_steps=1", "deterministic=true", "telemetry.enabled=false"]
+
+
+def readme_template() -> str:
+    text = README.read_text()
+    section = text[text.index("## Your own sbatch script"):]
+    script = section[section.index("```bash\n") + 8:]
+    return script[:script.index("```")]
+
+
+def template_with(tmp_path: Path, *overrides: str) -> Path:
+    """The README's script, its python line pointed at this interpreter with the test's overrides."""
+    script = readme_template()
+    assert README_LINE in script, "the README template's srun line changed: update this test"
+    line = f"srun --kill-on-bad-exit=1 {sys.executable} -m jobs.train " + " ".join(
+        [f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.sh')))}.sh"
+    path.write_text(script.replace(README_LINE, line))
+    return path
+
+
+@contextlib.contextmanager
+def sbatch(script: Path, cwd: Path) -> Iterator[str]:
+    """Queue a script (output in cwd/slurm-<id>.out); cancelled when the test ends, pass or fail."""
+    job_id = subprocess.run(["sbatch", "--parsable", f"--chdir={cwd}", f"--output={cwd}/slurm-%j.out",
+                             str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        yield job_id
+    finally:
+        subprocess.run(["scancel", job_id], check=False)
+
+
+def wait_done(job_id: str, timeout_s: float = 400) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip():
+            return slurm_query.wait_for_terminal_states([job_id], timeout_s=60).get(job_id, "UNKNOWN")
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still queued or running after {timeout_s} s")
+
+
+def test_the_readme_template_runs_one_job_of_four_ranks(tmp_path: Path) -> None:
+    """Before: 4 independent 2-rank local jobs wrote one run directory, each printing a summary."""
+    with sbatch(template_with(tmp_path, "optim.max_steps=20", *SMALL), tmp_path) as job_id:
+        state = wait_done(job_id)
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", out[-3000:]
+    run_dir = tmp_path / "outputs" / "attached" / f"slurm-{job_id}-step0"  # shared by every rank
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    assert summary["node_per_rank"] == ["n1", "n1", "n2", "n2"]
+    assert len(set(summary["param_checksum_per_rank"])) == 1
+    assert out.count("summary: ") == 1 and out.count("run_dir: ") == 1  # rank 0 alone reports
+    assert not (run_dir / "submitit").exists()  # the ranks trained in place: nothing was submitted
+
+
+def test_a_config_that_contradicts_the_launch_is_refused_by_rank_zero_only(tmp_path: Path) -> None:
+    with sbatch(template_with(tmp_path, "parallelism.nodes=1", *SMALL), tmp_path) as job_id:
+        wait_done(job_id)
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert out.count("error: parallelism.nodes=1 contradicts the launch: srun (job "
+                     f"{job_id}) started 2 node(s) (try parallelism.nodes=2") == 1, out[-3000:]
+    assert "Traceback" not in out and "summary: " not in out
+
+
+def test_srun_of_torchrun_on_two_nodes_is_one_job(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    script = tmp_path / "torchrun.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
+        f"srun --kill-on-bad-exit=1 {Path(sys.executable).parent / 'torchrun'} --nnodes=2 "
+        "--nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=n1:29517 --rdzv_id=$SLURM_JOB_ID "
+        f"-m jobs.train hydra.run.dir={run_dir} optim.max_steps=20 data.cache_dir={tmp_path / 'cache'} "
+        + " ".join(SMALL) + "\n")
+    with sbatch(script, tmp_path) as job_id:
+        state = wait_done(job_id)
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    nodes = summary["node_per_rank"]  # torchrun numbers the agents in the order they join
+    assert sorted(nodes) == ["n1", "n1", "n2", "n2"] and nodes[0] == nodes[1] and nodes[2] == nodes[3]
+    assert len(set(summary["param_checksum_per_rank"])) == 1
+
+
+def wait_for_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] >= step:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir} never reached step {step}")
+
+
+def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    script = template_with(tmp_path, f"hydra.run.dir={stopped}", *LONG)
+    with sbatch(script, tmp_path) as job_id:
+        wait_for_step(stopped, 10)
+        subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+        wait_done(job_id)
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    stop = re.search(r"stopped by PREEMPTED at step (\d+); checkpoint in", out)
+    assert stop is not None, out[-3000:]
+    step = int(stop.group(1))
+    assert [int(c.stem.removeprefix("step-")) for c in (stopped / "checkpoints").glob("step-*.pt")] == [step]
+    assert step < 120 and not (stopped / "summary.json").exists()
+    with sbatch(script, tmp_path) as rerun, \
+            sbatch(template_with(tmp_path, f"hydra.run.dir={straight}", *LONG), tmp_path) as baseline:
+        assert wait_done(rerun) == "COMPLETED"
+        assert wait_done(baseline) == "COMPLETED"
+    assert re.search(rf"resumed from {stopped / 'checkpoints'}/step-0*{step}\.pt at step {step}\n",
+                     (tmp_path / f"slurm-{rerun}.out").read_text())
+    resumed, uninterrupted = (json.loads((d / "summary.json").read_text()) for d in (stopped, straight))
+    assert resumed["steps"] == uninterrupted["steps"] == 120
+    assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
+
+
+def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
+               "optim.max_steps=10", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+               'cluster.sbatch_args=["--mail-type=NONE"]', *SMALL]
+    dry = subprocess.run([*command, "cluster.dry_run=true"], capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "nothing was queued" in dry.stdout and not (run_dir / "submitit").exists()
+    printed = dry.stdout[dry.stdout.index("#!/bin/bash"):]
+    real = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert real.returncode == 0, real.stderr[-3000:]
+    job_id = re.search(r"slurm_job_id: (\S+)", real.stdout).group(1)  # type: ignore[union-attr]
+    submitted = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
+    assert printed == submitted
+    assert "#SBATCH --mail-type=NONE" in submitted
