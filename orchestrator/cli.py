@@ -52,7 +52,7 @@ def _sweeps(args: argparse.Namespace) -> int:
     """status, logs, show, cancel, resubmit: each a thin call into orchestrator.sweeps.status."""
     from orchestrator.sweeps import registry, status
 
-    with registry.Registry(args.registry) as reg:
+    with registry.Registry(args.registry) as reg, registry.damage_reported(reg.path):
         if args.command == "status":
             return status.cmd_status(reg, args.target, args.json)
         if args.command == "logs":

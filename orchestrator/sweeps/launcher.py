@@ -41,7 +41,15 @@ from omegaconf.errors import OmegaConfBaseException
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, app_check
 from orchestrator.launch import dist_env, local_jobs
-from orchestrator.sweeps.registry import Job, Registry, Submitted, TaskStatus, reconcile
+from orchestrator.sweeps.registry import (
+    Job,
+    Registry,
+    RegistryError,
+    Submitted,
+    TaskStatus,
+    damage_reported,
+    reconcile,
+)
 
 if TYPE_CHECKING:
     import submitit
@@ -521,17 +529,20 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
         check_partitions(points)
     _warn_ignored_resources(settings, points)
     wait = settings.wait if settings.wait is not None else _app_wait(points)
-    with Registry(settings.registry) as registry:
-        if state.sweep_id is None:  # Hydra's later batches of the same sweep join it
-            state.entry = write_entry(sweep_dir, task_function, hydra_context)
-            state.sweep_id = registry.create_sweep(
-                app=str(master.hydra.job.name), command=" ".join(master.hydra.overrides.task),
-                sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
-        for p in points:
-            write_point(p, cast(Path, state.entry))
-        registry.add_jobs(Job(state.sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
-                              p.total_steps) for p in points)
-        return _submit_and_wait(settings, registry, state.sweep_id, points, sweep_dir, wait)
+    try:
+        with Registry(settings.registry) as registry, damage_reported(registry.path):
+            if state.sweep_id is None:  # Hydra's later batches of the same sweep join it
+                state.entry = write_entry(sweep_dir, task_function, hydra_context)
+                state.sweep_id = registry.create_sweep(
+                    app=str(master.hydra.job.name), command=" ".join(master.hydra.overrides.task),
+                    sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
+            for p in points:
+                write_point(p, cast(Path, state.entry))
+            registry.add_jobs(Job(state.sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
+                                  p.total_steps) for p in points)
+            return _submit_and_wait(settings, registry, state.sweep_id, points, sweep_dir, wait)
+    except RegistryError as e:  # unreadable or damaged: Hydra prints a SweepError as one line
+        raise SweepError(str(e)) from e
 
 
 def _submit_and_wait(settings: LauncherSettings, registry: Registry, sweep_id: int,

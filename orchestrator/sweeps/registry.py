@@ -101,6 +101,16 @@ class RegistryError(RuntimeError):
     """The registry cannot answer: unknown sweep or job, or an unreadable database."""
 
 
+def damaged(path: Path, error: sqlite3.DatabaseError) -> RegistryError:
+    """The one-line error for a registry SQLite cannot read, whenever it is noticed: at open, or
+    at the first query that reaches a damaged page (SQLite checks pages as it reads them)."""
+    return RegistryError(
+        f"the sweep registry {path} cannot be read ({error}): move it aside with `mv {path} "
+        f"{path}.damaged`, and a new, empty registry is made at the next sweep. The sweeps' own files "
+        f"(configs, logs, results under each sweep directory) are not in it and stay as they are; "
+        f"or point {REGISTRY_ENV} at another file")
+
+
 def default_path() -> Path:
     """``$SWITCHYARD_REGISTRY``, else ``~/.local/share/switchyard/registry.db``."""
     return Path(os.environ.get(REGISTRY_ENV) or DEFAULT_PATH).expanduser()
@@ -196,6 +206,17 @@ class Observation:
     error: str | None = None
 
 
+@contextlib.contextmanager
+def damage_reported(path: Path) -> Iterator[None]:
+    """A damaged page met by any query inside: ``damaged``'s one line instead of SQLite's raw error."""
+    try:
+        yield
+    except sqlite3.OperationalError:
+        raise  # locked, no permission, an I/O error: not damage, and said as SQLite says it
+    except sqlite3.DatabaseError as e:
+        raise damaged(path, e) from e
+
+
 # ------------------------------------------------------------------------------------------------
 # The database
 
@@ -212,9 +233,11 @@ class Registry:
             self._db.row_factory = sqlite3.Row
             self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             self._init_schema()
-        except sqlite3.DatabaseError as e:
+        except sqlite3.OperationalError as e:  # not a damaged file: no permission, a directory...
             raise RegistryError(f"cannot open the sweep registry {self.path}: {e} (set "
                                 f"{REGISTRY_ENV} to use another file)") from e
+        except sqlite3.DatabaseError as e:
+            raise damaged(self.path, e) from e
 
     def _init_schema(self) -> None:
         # WAL is a property of the file, set once; changing it needs a moment alone with the file,

@@ -181,3 +181,29 @@ def test_cancel_stops_a_local_training_job_at_a_step_boundary_with_a_checkpoint(
     logs = "".join(p.read_text() for p in (tmp_path / "multirun").rglob("*_0_log.out"))
     assert "stopped by PREEMPTED at step" in logs
     assert [j["state"] for j in status_json(tmp_path, "1")["jobs"]] == ["CANCELLED"]
+
+
+def damage(path: Path) -> None:
+    """Overwrite every page but the first (the header and the schema), as a bad disk region or a
+    stray write would: the file still opens, and the first query on a table meets the damage."""
+    page = int.from_bytes(path.read_bytes()[16:18], "big")  # SQLite's page size, from its header
+    with open(path, "r+b") as f:
+        f.seek(page)
+        f.write(b"\xff" * (path.stat().st_size - page))
+
+
+def test_a_damaged_registry_is_one_line_naming_the_file_and_the_fix(tmp_path: Path) -> None:
+    """Before: sqlite3.DatabaseError 'database disk image is malformed' as a raw traceback, from the
+    CLI and from the launcher."""
+    write_app(tmp_path)
+    assert run_app(tmp_path, "x=1,2,3").returncode == 0
+    registry = Path(env_for(tmp_path)["SWITCHYARD_REGISTRY"])
+    damage(registry)
+    for proc in (switchyard(tmp_path, "status"), run_app(tmp_path, "x=4,5")):
+        assert proc.returncode != 0
+        assert f"the sweep registry {registry} cannot be read (" in proc.stderr, proc.stderr[-2000:]
+        assert f"mv {registry} {registry}.damaged" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    registry.write_text("not a database " * 100)
+    proc = switchyard(tmp_path, "status")
+    assert proc.returncode == 2 and "cannot be read (file is not a database)" in proc.stderr
