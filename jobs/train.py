@@ -33,7 +33,7 @@ from orchestrator.config import (
 from orchestrator.launch import attach, dist_env, rendezvous, run_lock, slurm_request, submit
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import trainer
-from sharding import DatasetError, open_dataset
+from sharding import DatasetError, ShardedDataset, open_dataset
 
 register_configs()
 
@@ -141,7 +141,22 @@ def _check_dataset(key: str, path: str, cfg: TrainConfig) -> int:
     if y not in ds.schema or ds.schema[y].shape != () or "int" not in ds.schema[y].dtype:
         raise ConfigError(f"data.target_field={y!r} is invalid: it must name an integer scalar "
                           f"field of {path} (fields: {fields})")
+    _check_labels(key, path, ds, cfg)
     return trainer.feature_count(ds, x)
+
+
+def _check_labels(key: str, path: str, ds: ShardedDataset, cfg: TrainConfig) -> None:
+    """Every label is a class index the model has: known now, not as 'Target 3 is out of bounds'
+    on every rank after a queue wait."""
+    lo, hi = ds.value_range(cfg.data.target_field)
+    classes = trainer.output_classes(cfg.data)
+    where = f"{key}={path!r} has labels {lo}..{hi} in {cfg.data.target_field!r}"
+    if lo < 0:
+        raise ConfigError(f"{where}: class indices must be >= 0 (relabel the dataset)")
+    if hi >= classes:
+        option = "data.num_classes" if cfg.data.num_classes else "data.demo_classes"
+        raise ConfigError(f"{option}={classes} is invalid: {where}, so the model needs at least "
+                          f"{hi + 1} classes (try {option}={hi + 1})")
 
 
 def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
+from orchestrator.terminal import printable
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -134,14 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except cluster.ClusterError as e:
-        print(f"switchyard {args.command}: error: {e}", file=sys.stderr)
+        print(f"switchyard {args.command}: error: {printable(e)}", file=sys.stderr)
         return 2
     except Exception as e:
         from orchestrator.sweeps import status
 
         if not isinstance(e, status.ERRORS):
             raise
-        print(f"switchyard {args.command}: error: {e}", file=sys.stderr)
+        print(f"switchyard {args.command}: error: {printable(e)}", file=sys.stderr)
         return 2
 
 

@@ -365,6 +365,15 @@ class FieldStats:
 
 
 @dataclass(frozen=True)
+class ValueRange:
+    """Smallest and largest value an integer scalar field takes (labels: checked against a model's
+    class count before any job starts)."""
+
+    min_value: int
+    max_value: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a reader needs before touching a shard; JSON on disk."""
 
@@ -372,6 +381,7 @@ class Manifest:
     shards: tuple[ShardInfo, ...]
     field_stats: dict[str, FieldStats] = field(default_factory=dict)
     shard_bytes: int = 0
+    value_ranges: dict[str, ValueRange] = field(default_factory=dict)  # absent in older manifests
 
     @property
     def num_samples(self) -> int:
@@ -384,6 +394,9 @@ class Manifest:
             if name in self.field_stats:
                 stats = self.field_stats[name]
                 entry.update(min_leading=stats.min_leading, max_leading=stats.max_leading)
+            if name in self.value_ranges:
+                values = self.value_ranges[name]
+                entry.update(min_value=values.min_value, max_value=values.max_value)
             fields.append(entry)
         doc = {
             "format": MANIFEST_FORMAT,
@@ -402,9 +415,9 @@ class Manifest:
         try:
             doc = json.loads(text)
             _check_manifest_header(doc)
-            schema, stats = _parse_fields(doc["fields"])
+            schema, stats, ranges = _parse_fields(doc["fields"])
             shards = tuple(_parse_shard(s) for s in doc["shards"])
-            manifest = Manifest(schema, shards, stats, int(doc.get("shard_bytes", 0)))
+            manifest = Manifest(schema, shards, stats, int(doc.get("shard_bytes", 0)), ranges)
             if manifest.num_samples != doc["num_samples"]:
                 raise ValueError(f"num_samples {doc['num_samples']} != the shards' sum "
                                  f"{manifest.num_samples}")
@@ -423,17 +436,21 @@ def _check_manifest_header(doc: Any) -> None:
         raise ValueError(f"checksum {doc.get('checksum')!r} is not {CHECKSUM_ALGORITHM!r}")
 
 
-def _parse_fields(entries: Sequence[Any]) -> tuple[dict[str, FieldSpec], dict[str, FieldStats]]:
+def _parse_fields(entries: Sequence[Any]
+                  ) -> tuple[dict[str, FieldSpec], dict[str, FieldStats], dict[str, ValueRange]]:
     schema: dict[str, FieldSpec] = {}
     stats: dict[str, FieldStats] = {}
+    ranges: dict[str, ValueRange] = {}
     for e in entries:
         shape = tuple(None if d is None else int(d) for d in e["shape"])
         schema[str(e["name"])] = FieldSpec(str(e["dtype"]), shape)
         if "min_leading" in e:
             stats[str(e["name"])] = FieldStats(int(e["min_leading"]), int(e["max_leading"]))
+        if "min_value" in e:
+            ranges[str(e["name"])] = ValueRange(int(e["min_value"]), int(e["max_value"]))
     if not schema:
         raise ValueError("no fields")
-    return schema, stats
+    return schema, stats, ranges
 
 
 def _parse_shard(entry: Mapping[str, Any]) -> ShardInfo:

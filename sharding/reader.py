@@ -216,6 +216,34 @@ class ShardedDataset:
         """Min and max leading size of each variable field (e.g. to preallocate padded batches)."""
         return MappingProxyType(self.manifest.field_stats)
 
+    def value_range(self, field: str) -> tuple[int, int]:
+        """Smallest and largest value of an integer scalar field (labels): from the manifest when
+        its writer recorded them, else read from every shard, vectorized (its 8 bytes a sample)."""
+        spec = self.manifest.schema.get(field)
+        if spec is None:
+            raise self._unknown_field(field)
+        if not spec.is_scalar or not np.issubdtype(spec.np_dtype, np.integer):
+            raise DatasetError(f"field {field!r} is {spec}, not an integer scalar: it has no value range")
+        recorded = self.manifest.value_ranges.get(field)
+        if recorded is not None:
+            return recorded.min_value, recorded.max_value
+        lo, hi = None, None
+        for shard, info in enumerate(self.manifest.shards):
+            if info.num_samples == 0:
+                continue
+            mapped = self._mapped[shard] or self._map(shard)
+            spot = next(f for f in mapped.fields if f.name == field)
+            width = np.arange(spot.dtype.itemsize)
+            for start in range(0, info.num_samples, 1 << 20):  # bounded temporaries per block
+                offsets = spot.offsets_array[start:start + (1 << 20)]
+                values = mapped.bytes[offsets[:, None] + width].view(spot.dtype)
+                block_lo, block_hi = int(values.min()), int(values.max())
+                lo = block_lo if lo is None else min(lo, block_lo)
+                hi = block_hi if hi is None else max(hi, block_hi)
+        if lo is None or hi is None:
+            raise DatasetError(f"field {field!r} has no values: the dataset has no samples")
+        return lo, hi
+
     @property
     def fixed_fields(self) -> frozenset[str]:
         """Scalars and fields whose leading size is equal in every sample: collate stacks them."""

@@ -30,6 +30,7 @@ from sharding.format import (
     Schema,
     SchemaMismatchError,
     ShardInfo,
+    ValueRange,
     describe_array,
     dtype_name,
     encode_index_head,
@@ -78,6 +79,7 @@ class DatasetWriter:
         self.overwrite = overwrite
         self._schema: dict[str, FieldSpec] | None = None
         self._stats: dict[str, list[int]] = {}
+        self._ranges: dict[str, list[int]] = {}  # integer scalar field -> [min, max] value
         if schema is not None:
             self._set_schema(dict(schema))
         check_output(self.path, overwrite)
@@ -127,6 +129,9 @@ class DatasetWriter:
             if name in self._stats:
                 stats = self._stats[name]
                 stats[0], stats[1] = min(stats[0], len(a)), max(stats[1], len(a))
+            elif name in self._ranges:
+                value, bounds = int(a), self._ranges[name]
+                bounds[0], bounds[1] = min(bounds[0], value), max(bounds[1], value)
         self.num_samples += 1
         self.num_bytes += sum(sizes)
 
@@ -167,6 +172,8 @@ class DatasetWriter:
             raise DatasetError("the schema has no fields: a sample needs at least one")
         self._schema = schema
         self._stats = {n: [2**63, 0] for n, s in schema.items() if not s.is_scalar}
+        self._ranges = {n: [2**64, -(2**64)] for n, s in schema.items()
+                        if s.is_scalar and np.issubdtype(s.np_dtype, np.integer)}
 
     def _check(self, sample: Mapping[str, Any]) -> list[np.ndarray]:
         """Contiguous little-endian arrays in schema order, or SchemaMismatchError."""
@@ -190,7 +197,8 @@ class DatasetWriter:
 
     def _build_manifest(self) -> Manifest:
         stats = {n: FieldStats(lo, hi) for n, (lo, hi) in self._stats.items()}
-        return Manifest(dict(self._schema or {}), tuple(self._shards), stats, self.shard_bytes)
+        ranges = {n: ValueRange(lo, hi) for n, (lo, hi) in self._ranges.items()}
+        return Manifest(dict(self._schema or {}), tuple(self._shards), stats, self.shard_bytes, ranges)
 
     def _publish(self) -> None:
         check_output(self.path, self.overwrite)

@@ -184,3 +184,48 @@ def test_fixed_length_inputs_train_and_evaluate(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(tmp_path / "run")
     assert summary["steps"] == 20 and summary["eval_samples_counted"] == summary["eval_set_size"] == 64
+
+
+def labelled(path: Path, labels: list[int], record_range: bool = True) -> Path:
+    """A small dataset with these labels; ``record_range=False`` strips the manifest's value range,
+    as a dataset written before Switchyard recorded it has none."""
+    import numpy as np
+
+    from sharding import DatasetWriter
+
+    with DatasetWriter(path) as writer:
+        for label in labels:
+            writer.append({"x": np.ones((3, 16), np.float32), "y": np.int64(label)})
+    if not record_range:
+        manifest = json.loads((path / "manifest.json").read_text())
+        for field in manifest["fields"]:
+            field.pop("min_value", None)
+            field.pop("max_value", None)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize("record_range", [True, False])
+def test_labels_beyond_num_classes_fail_before_submitting(tmp_path: Path, record_range: bool) -> None:
+    """Before: accepted, then 'Target 3 is out of bounds' on every rank (after a queue wait on SLURM);
+    as data.eval_path, only in the final evaluation, after all the training."""
+    train_set = labelled(tmp_path / "train", [0, 1] * 64, record_range)
+    eval_set = labelled(tmp_path / "eval", [0, 1, 2, 3] * 16, record_range)
+    proc = train(tmp_path, f"data.path={train_set}", f"data.eval_path={eval_set}", "data.num_classes=2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: data.num_classes=2 is invalid: data.eval_path='{eval_set}' "
+                                   f"has labels 0..3 in 'y', so the model needs at least 4 classes "
+                                   f"(try data.num_classes=4)")
+    assert not (tmp_path / "run" / "submitit").exists()
+    negative = labelled(tmp_path / "negative", [-1, 0, 1] * 8, record_range)
+    proc = train(tmp_path, f"data.path={negative}", "data.num_classes=2")
+    assert proc.returncode == 2 and "has labels -1..1 in 'y': class indices must be >= 0" in proc.stderr
+
+
+def test_the_writer_records_the_label_range(tmp_path: Path) -> None:
+    from sharding import open_dataset
+
+    path = labelled(tmp_path / "ds", [3, 7, 5])
+    entry = next(f for f in json.loads((path / "manifest.json").read_text())["fields"] if f["name"] == "y")
+    assert (entry["min_value"], entry["max_value"]) == (3, 7)
+    assert open_dataset(path).value_range("y") == (3, 7)
