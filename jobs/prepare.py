@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import shutil
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,8 +34,9 @@ from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
 from orchestrator.config import ConfigError, PrepareConfig, invalid, register_configs
+from orchestrator.terminal import printable, refuse_control
 from sharding.format import DatasetError, fingerprint
-from sharding.writer import DatasetWriter, check_output
+from sharding.writer import DatasetWriter, check_output, human_bytes
 
 register_configs()  # before @hydra.main composes `defaults: [prepare_schema, ...]`
 
@@ -303,8 +306,31 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     kind, path = detect_format(cfg.input, cfg.format)
     output = Path(cfg.output).expanduser().absolute()
     check_output(output, cfg.overwrite)
+    check_space(output, input_bytes(kind, path))
     source = open_source(kind, path, cfg)
     return convert(source, output, cfg.shard_bytes, cfg.overwrite)
+
+
+def input_bytes(kind: str, path: Path) -> int:
+    """The input's size on disk: the samples' bytes, which the dataset holds again (plus padding)."""
+    if kind == "megatron":
+        return Path(f"{path}.bin").stat().st_size
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.npy"))
+    return path.stat().st_size
+
+
+def check_space(output: Path, needed: int) -> None:
+    """Refuse now an output whose file system cannot hold the dataset, instead of at the full disk
+    an hour in. The dataset is about the input's size; a smaller free space cannot fit it."""
+    existing = output.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise DatasetError(f"output={str(output)!r}: the dataset needs about {human_bytes(needed)} "
+                           f"(the input's size) and {existing} has {human_bytes(free)} free "
+                           f"(free space there, or choose another output)")
 
 
 def convert(source: Source, output: Path, shard_bytes: int, overwrite: bool) -> PrepareResult:
@@ -359,9 +385,11 @@ def main(cfg: DictConfig) -> None:
         result = prepare(to_config(cfg))
     except (ConfigError, DatasetError) as e:
         # A one-line reason instead of Hydra's traceback: these are the user's input, not a bug.
-        raise SystemExit(f"jobs.prepare: error: {_message(e)}") from e
+        raise SystemExit(f"jobs.prepare: error: {printable(_message(e))}") from e
     print(result)
 
 
 if __name__ == "__main__":
+    if refused := refuse_control(sys.argv):
+        sys.exit(f"jobs.prepare: error: {refused}")
     main()

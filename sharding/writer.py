@@ -5,15 +5,25 @@ written last, every file is fsynced, and only then is the directory renamed into
 bad sample or an exception inside the ``with`` block therefore never leaves a directory at
 ``path`` that looks like a finished dataset. Samples are validated completely before any byte of
 them is written, so a refused sample leaves the writer usable.
+
+A writer holds an flock on its temp directory while it writes. A writer killed outright (SIGKILL,
+the OOM killer, a node gone) cannot remove its directory, but the kernel drops its lock; so each new
+writer removes the unlocked temp siblings of its path, and never a live writer's.
+
+A full disk (or quota, or a read-only file system) is a DatasetError naming the output, the bytes
+written and the space left; the temp directory is removed and nothing is published.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
+import errno
+import fcntl
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -84,7 +94,13 @@ class DatasetWriter:
             self._set_schema(dict(schema))
         check_output(self.path, overwrite)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_siblings(self.path)
         self._tmp = _make_sibling_dir(self.path, "tmp")
+        lock = _lock_dir(self._tmp)
+        if lock is None:  # a writer starting in the same instant took it for a stale one
+            raise DatasetError(f"cannot lock the new temporary directory {self._tmp}: another "
+                               f"writer of {self.path} started at the same moment")
+        self._lock: int = lock
         self._shards: list[ShardInfo] = []
         self._shard: _ShardFile | None = None
         self._is_open = True
@@ -115,6 +131,10 @@ class DatasetWriter:
         if not self._is_open:
             raise DatasetError(f"writer for {self.path} is closed: open a new DatasetWriter")
         arrays = self._check(sample)
+        with self._io_errors_explained():
+            self._write(arrays)
+
+    def _write(self, arrays: list[np.ndarray]) -> None:
         specs = self._schema or {}
         sizes = [pad8(a.nbytes) for a in arrays]
         if sum(sizes) > self.shard_bytes:
@@ -145,13 +165,15 @@ class DatasetWriter:
             if self.num_samples == 0:
                 raise DatasetError(f"no samples were written to {self.path}: nothing published "
                                    f"(is the input empty?)")
-            if self._shard is not None:
-                self._finish_shard()
-            manifest = self._build_manifest()
-            _write_synced(self._tmp / MANIFEST_NAME, manifest.to_json().encode())
-            _fsync_dir(self._tmp)
-            self._publish()
+            with self._io_errors_explained():
+                if self._shard is not None:
+                    self._finish_shard()
+                manifest = self._build_manifest()
+                _write_synced(self._tmp / MANIFEST_NAME, manifest.to_json().encode())
+                _fsync_dir(self._tmp)
+                self._publish()
             self.manifest, self._is_open = manifest, False
+            os.close(self._lock)  # published: the directory is the dataset now
         except BaseException:
             self.abort()
             raise
@@ -159,11 +181,23 @@ class DatasetWriter:
 
     def abort(self) -> None:
         """Discard everything written; nothing appears at ``path``."""
-        self._is_open = False
+        was_open, self._is_open = self._is_open, False
         if self._shard is not None:
             self._shard.discard()
             self._shard = None
         shutil.rmtree(self._tmp, ignore_errors=True)
+        if was_open:
+            os.close(self._lock)
+
+    @contextlib.contextmanager
+    def _io_errors_explained(self) -> Iterator[None]:
+        """The file system failing under the writer: discard everything, then one clear error."""
+        try:
+            yield
+        except OSError as e:
+            written = self.num_bytes + (self._shard.num_bytes if self._shard else 0)
+            self.abort()
+            raise DatasetError(_io_message(self.path, e, written)) from e
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -326,6 +360,58 @@ def _check_field(spec: FieldSpec, a: np.ndarray, number: int, name: str) -> np.n
             field=name)
     # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
     return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _io_message(path: Path, error: OSError, written: int) -> str:
+    cause = error.strerror or str(error)
+    try:
+        free = f", {human_bytes(shutil.disk_usage(path.parent).free)} free there"
+    except OSError:
+        free = ""
+    fix = {errno.ENOSPC: "free space on that file system, or choose another output",
+           errno.EDQUOT: "your quota there is used up: free some, or choose another output",
+           errno.EROFS: "that file system is read-only: choose another output"}.get(
+        error.errno or 0, "check the output directory, or choose another output")
+    return (f"cannot write {path}: {cause} after {human_bytes(written)} of data{free}; nothing was published "
+            f"and the partial copy was removed ({fix})")
+
+
+def human_bytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+
+
+def remove_stale_siblings(path: Path) -> list[Path]:
+    """Remove what killed writers of ``path`` left: unlocked ``.<name>.tmp-*`` directories, and
+    ``.<name>.old-*`` ones once ``path`` exists (before that, an old one may be the only copy of
+    the previous dataset, moved aside by a publish that was cut short). Returns what was removed."""
+    removed = []
+    candidates = sorted(path.parent.glob(f".{path.name}.tmp-*"))
+    if path.exists():
+        candidates += sorted(path.parent.glob(f".{path.name}.old-*"))
+    for candidate in candidates:
+        fd = _lock_dir(candidate)
+        if fd is None:
+            continue  # a live writer's
+        try:
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _lock_dir(path: Path) -> int | None:
+    """An fd holding an exclusive flock on directory ``path``; None if another process holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _make_sibling_dir(path: Path, tag: str) -> Path:
