@@ -216,17 +216,18 @@ class ShardedDataset:
         """Min and max leading size of each variable field (e.g. to preallocate padded batches)."""
         return MappingProxyType(self.manifest.field_stats)
 
-    def value_range(self, field: str) -> tuple[int, int]:
+    def value_range(self, field: str, recorded: bool = True) -> tuple[int, int]:
         """Smallest and largest value of an integer scalar field (labels): from the manifest when
-        its writer recorded them, else read from every shard, vectorized (its 8 bytes a sample)."""
+        its writer recorded them (and ``recorded``), else read from every shard, vectorized (its
+        8 bytes a sample); ``recorded=False`` is how verify checks the manifest's figures."""
         spec = self.manifest.schema.get(field)
         if spec is None:
             raise self._unknown_field(field)
         if not spec.is_scalar or not np.issubdtype(spec.np_dtype, np.integer):
             raise DatasetError(f"field {field!r} is {spec}, not an integer scalar: it has no value range")
-        recorded = self.manifest.value_ranges.get(field)
-        if recorded is not None:
-            return recorded.min_value, recorded.max_value
+        noted = self.manifest.value_ranges.get(field) if recorded else None
+        if noted is not None:
+            return noted.min_value, noted.max_value
         lo, hi = None, None
         for shard, info in enumerate(self.manifest.shards):
             if info.num_samples == 0:

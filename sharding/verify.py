@@ -21,7 +21,7 @@ from sharding.format import (
     fingerprint,
     read_manifest,
 )
-from sharding.reader import check_shard_structure
+from sharding.reader import ShardedDataset, check_shard_structure
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,38 @@ def _verify(root: Path) -> tuple[Manifest | None, list[Problem]]:
     problems: list[Problem] = []
     for shard, info in enumerate(manifest.shards):
         problems += _verify_shard(root, shard, info, manifest)
+    if not problems:  # the figures are read from the index and data; only sound shards can tell
+        problems += _verify_field_figures(root, manifest)
     return manifest, problems
+
+
+def _verify_field_figures(root: Path, manifest: Manifest) -> list[Problem]:
+    """The manifest's per-field figures against what the shards hold: each variable field's
+    smallest and largest leading size, each integer scalar field's value range. Readers trust
+    them (collate stacks a field whose sizes are equal; the trainer checks labels against the
+    class count), so a changed figure would mislead them without failing any checksum."""
+    where, problems = str(root / MANIFEST_NAME), []
+    for shard, info in enumerate(manifest.shards):
+        if 0 < manifest.shard_bytes < info.data_bytes:  # the writer rolls over before this size
+            problems.append(Problem(where, shard, (
+                f"data_bytes {info.data_bytes} exceed the manifest's shard_bytes "
+                f"{manifest.shard_bytes}, which its writer never lets a shard pass")))
+    with ShardedDataset(root, manifest) as ds:
+        for name, stats in manifest.field_stats.items():
+            sizes = ds.leading_sizes(name)
+            actual = (int(sizes.min()), int(sizes.max())) if sizes.size else None
+            if actual is not None and actual != (stats.min_leading, stats.max_leading):
+                problems.append(Problem(where, None, (
+                    f"field {name!r}: the manifest's min_leading/max_leading "
+                    f"{stats.min_leading}/{stats.max_leading} differ from the index's "
+                    f"{actual[0]}/{actual[1]}")))
+        for name, values in manifest.value_ranges.items():
+            actual = ds.value_range(name, recorded=False)
+            if actual != (values.min_value, values.max_value):
+                problems.append(Problem(where, None, (
+                    f"field {name!r}: the manifest's min_value/max_value {values.min_value}/"
+                    f"{values.max_value} differ from the data's {actual[0]}/{actual[1]}")))
+    return problems
 
 
 def _verify_shard(root: Path, shard: int, info: ShardInfo, manifest: Manifest) -> list[Problem]:
