@@ -80,7 +80,7 @@ def small_filesystem(path: Path, size: str) -> Iterator[Path]:
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=False)
+        subprocess.run(["umount", "--lazy", str(path)], check=False)  # even if a file is still open
 
 
 def test_a_full_disk_is_one_error_naming_the_output_and_leaves_nothing(tmp_path: Path) -> None:
