@@ -34,6 +34,7 @@ from orchestrator.launch import attach, dist_env, rendezvous, run_lock, slurm_re
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import trainer
 from sharding import DatasetError, ShardedDataset, open_dataset
+from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 
 register_configs()
 
@@ -84,6 +85,8 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
         _check_dataset("data.eval_path", paths.eval, cfg)
     if cfg.checkpoint.dir:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
+    if cfg.cluster.mode != "slurm":  # every rank is on this machine: its /dev/shm is theirs
+        _check_worker_memory(paths, cfg)
     with torch.device("meta"):  # builds the model's structure without allocating its weights
         trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
     if cfg.cluster.mode == "slurm":
@@ -100,6 +103,19 @@ def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
     """The config keys behind each sbatch value, for an error that names the one to change."""
     tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
     return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
+
+
+def _check_worker_memory(paths: trainer.DataPaths, cfg: TrainConfig) -> None:
+    """The worker batch rings of every rank on this machine (train and eval loaders at once) fit in
+    /dev/shm: known now, not as ENOSPC in the first epoch. On SLURM each rank's loader checks its
+    node's /dev/shm itself, before allocating."""
+    needed = sum(ring_bytes(RankDataset(path), cfg.data.batch_size, cfg.data.num_workers)
+                 for path in (paths.train, paths.eval) if path is not None)
+    try:
+        check_shared_memory(needed, cfg.data.batch_size, cfg.data.num_workers,
+                            ranks=cfg.parallelism.world_size)
+    except DatasetError as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:

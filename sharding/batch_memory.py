@@ -107,6 +107,52 @@ def _torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
+SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open)
+
+
+class SharedMemoryError(DatasetError):
+    """The batch rings do not fit in the shared-memory file system."""
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes of the shared-memory file system; None where there is none to ask."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """torch's shared memory of ``nbytes``, or a DatasetError when the file system cannot hold it.
+
+    torch creates ``/dev/shm/torch_<pid>_*``, then reserves the whole size (posix_fallocate); when
+    that fails (ENOSPC) it raises without removing the file, which then holds the space until
+    reboot. So a failure here removes the files this process created meanwhile.
+    """
+    before = _own_shm_files()
+    try:
+        return torch.UntypedStorage._new_shared(nbytes)
+    except RuntimeError as e:
+        for leaked in _own_shm_files() - before:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, leaked))
+        free = shm_free_bytes()
+        raise SharedMemoryError(
+            f"cannot allocate {nbytes / 1e6:,.0f} MB of shared memory in {SHM_DIR} ({e}; "
+            f"{'unknown' if free is None else f'{free / 1e6:,.0f} MB'} free): lower data.batch_size "
+            f"or data.num_workers, set data.num_workers=0, or give the job a larger {SHM_DIR} "
+            f"(containers: --shm-size)") from e
+
+
+def _own_shm_files() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(f"torch_{os.getpid()}_")}
+    except OSError:
+        return set()
+
+
+
 def shared_block(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` over fresh shared memory: what a worker without a free slot
     builds its batch in (as default_collate does in workers), sent as one file descriptor."""
@@ -205,8 +251,9 @@ class BatchRing:
     ``claim``s a free slot, builds a batch in it and returns a ``RingBatch``, which pickles as
     (ring, slot, layout). The main process turns that back into tensors over its own map of the
     slot (``_open_slot``) and, when the last of them is gone, writes the slot number into the
-    ring's pipe; the worker reads it at its next claim. The block is sparse: only pages a batch
-    touched hold memory, at most ``num_slots`` times the largest batch seen.
+    ring's pipe; the worker reads it at its next claim. torch reserves the whole block in
+    /dev/shm when it is made (posix_fallocate), so the loader checks that every ring fits first
+    (``loader.ring_bytes``, ``loader.check_shared_memory``).
     """
 
     def __init__(self, slot_bytes: int, num_slots: int) -> None:
@@ -215,7 +262,7 @@ class BatchRing:
         self.token = uuid.uuid4().hex
         self.slot_bytes = max(-(-slot_bytes // PAGE) * PAGE, PAGE)  # slots start on a page
         self.num_slots = num_slots
-        self.storage = torch.UntypedStorage._new_shared(self.slot_bytes * num_slots)
+        self.storage = new_shared_storage(self.slot_bytes * num_slots)
         self._released, writer = multiprocessing.Pipe(duplex=False)
         self._release_writer: Connection | None = writer  # main process only
         os.set_blocking(writer.fileno(), False)  # a finalizer never waits

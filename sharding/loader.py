@@ -51,13 +51,17 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
 
 from sharding.batch_memory import (
+    PAGE,
+    SHM_DIR,
     BatchLayout,
     BatchRing,
     BufferPool,
+    SharedMemoryError,
     as_tensors,
     batch_layout,
     numpy_views,
     shared_block,
+    shm_free_bytes,
     tensor_views,
 )
 from sharding.collate import length_grouped_batches
@@ -357,7 +361,8 @@ class ShardedLoader(DataLoader[Batch]):
     epoch without), handed to the workers through the dataset while they start, and kept by the
     iterator: the main process needs them to turn a worker's (ring, slot, layout) back into
     tensors. A slot holds the largest batch possible (every padded field at its longest), so
-    any batch fits; only the pages batches touch take memory.
+    any batch fits; torch reserves all slots in /dev/shm up front, so their total is checked
+    against its free space before any is made.
     """
 
     def __init__(self, dataset: RankDataset, *args: Any, ring_slots: int | None = None,
@@ -373,6 +378,8 @@ class ShardedLoader(DataLoader[Batch]):
         batch_size = getattr(self.batch_sampler, "batch_size", None)
         if not slots or batch_size is None:
             return super()._get_iterator()
+        check_shared_memory(ring_bytes(dataset, batch_size, self.num_workers, slots), batch_size,
+                            self.num_workers)
         rings = [BatchRing(dataset.batch_bytes(batch_size), slots) for _ in range(self.num_workers)]
         dataset._rings = rings  # workers get theirs by worker id: inherited (fork) or pickled (spawn)
         try:
@@ -382,6 +389,33 @@ class ShardedLoader(DataLoader[Batch]):
         # Kept alive as long as batches can arrive from these workers.
         iterator._switchyard_rings = rings  # type: ignore[attr-defined]
         return iterator
+
+
+def ring_bytes(dataset: RankDataset, batch_size: int, num_workers: int, slots: int | None = None,
+               prefetch_factor: int = 2) -> int:
+    """Shared memory the batch rings of one loader take: ``num_workers`` rings of ``slots`` slots
+    (default ``prefetch_factor + 2``), each slot the largest batch, page-rounded. torch reserves
+    all of it when the rings are made, so it must fit in /dev/shm at once."""
+    slots = prefetch_factor + 2 if slots is None else slots
+    if num_workers == 0 or slots == 0:
+        return 0
+    slot = max(-(-dataset.batch_bytes(batch_size) // PAGE) * PAGE, PAGE)
+    return num_workers * slots * slot
+
+
+def check_shared_memory(needed: int, batch_size: int, num_workers: int, ranks: int = 1) -> None:
+    """Refuse, before allocating anything, rings that ``ranks`` loaders of ``needed`` bytes each
+    (the ranks of one node) cannot fit in /dev/shm; the error names the keys to change."""
+    free = shm_free_bytes()
+    if free is None or needed * ranks <= free:
+        return
+    raise SharedMemoryError(
+        f"data.batch_size={batch_size} with data.num_workers={num_workers} needs "
+        f"{needed * ranks / 1e6:,.0f} MB of shared "
+        f"memory for worker batches ({ranks} rank(s) x {needed / 1e6:,.0f} MB: each worker keeps "
+        f"a few slots of the largest possible batch) but {SHM_DIR} has {free / 1e6:,.0f} MB free: "
+        f"lower data.batch_size or data.num_workers, set data.num_workers=0, or give the job a "
+        f"larger {SHM_DIR} (containers: --shm-size)")
 
 
 def make_loader(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import mmap
 import pickle
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,3 +213,86 @@ def test_batch_buffers_are_aligned_for_whole_cache_lines(num_bytes: int) -> None
     assert buffer.ctypes.data % (HUGE_PAGE if num_bytes >= HUGE_PAGE else 64) == 0
     buffer[:] = 7  # all of it is usable memory
     assert int(buffer[-1]) == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared memory that does not fit: refused before allocating, and nothing left in /dev/shm
+
+
+def test_ring_bytes_is_what_the_rings_allocate(tmp_path: Path) -> None:
+    from sharding import DatasetWriter, open_dataset
+    from sharding.loader import RankDataset, make_loader, ring_bytes
+    from sharding.sampler import ShardedSampler
+
+    with DatasetWriter(tmp_path / "ds") as writer:
+        for i in range(40):
+            writer.append({"x": np.ones((1 + i % 7, 32), np.float32), "y": np.int64(i)})
+    ds = open_dataset(tmp_path / "ds")
+    loader = make_loader(ds, ShardedSampler(ds.shard_counts, world_size=1, rank=0, seed=0),
+                         batch_size=8, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    allocated = sum(ring.storage.nbytes() for ring in iterator._switchyard_rings)  # type: ignore[attr-defined]
+    assert allocated == ring_bytes(RankDataset(ds), 8, 2) > 0
+    del iterator
+
+
+SMALL_SHM = """
+import os, sys, numpy as np
+from sharding import DatasetWriter, open_dataset
+from sharding.batch_memory import SharedMemoryError, new_shared_storage
+from sharding.loader import make_loader
+from sharding.sampler import ShardedSampler
+with DatasetWriter(sys.argv[1]) as w:  # one long sample: the largest batch is 64 x 4000 rows
+    for i in range(64):
+        w.append({"x": np.ones((1 + (i == 0) * 4000, 256), np.float32), "y": np.int64(1)})
+ds = open_dataset(sys.argv[1])
+loader = make_loader(ds, ShardedSampler(ds.shard_counts, world_size=1, rank=0, seed=0),
+                     batch_size=64, num_workers=2)
+try:
+    iter(loader)
+except SharedMemoryError as e:
+    print("loader:", e)
+try:  # torch itself, past the loader's check: its ENOSPC must not leave its file behind
+    new_shared_storage(200 * 2**20)
+except SharedMemoryError as e:
+    print("storage:", e)
+print("left:", sorted(os.listdir("/dev/shm")))
+"""
+
+
+def run_with_small_shm(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a private mount namespace whose /dev/shm is a 64 MB tmpfs (root, as in CI)."""
+    import os
+
+    script = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} \"$@\""
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *(["-c", code] if code else []),
+                           *args], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"cannot give the test a small /dev/shm: {proc.stderr}")
+        pytest.skip(f"cannot give the test a small /dev/shm (not root?): {proc.stderr}")
+    return proc
+
+
+def test_rings_larger_than_shared_memory_are_refused_and_leave_nothing(tmp_path: Path) -> None:
+    """Before: torch's ENOSPC deep in the DataLoader, and a GB-sized torch_* file left in /dev/shm
+    for good (1.26 TB sparse files in the report)."""
+    proc = run_with_small_shm(SMALL_SHM, str(tmp_path / "ds"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("loader: data.batch_size=64 with data.num_workers=2 needs 2,100 MB of "
+                               "shared memory for worker batches")
+    assert "lower data.batch_size or data.num_workers, set data.num_workers=0" in lines[0]
+    assert lines[1].startswith("storage: cannot allocate 210 MB of shared memory in /dev/shm")
+    assert lines[2] == "left: []"
+
+
+def test_the_training_job_refuses_them_before_submitting(tmp_path: Path) -> None:
+    proc = run_with_small_shm("", "-m", "jobs.train", "data.num_workers=2", "data.batch_size=4096",
+                              "data.demo_num_samples=512", f"data.cache_dir={tmp_path / 'cache'}",
+                              f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: data.batch_size=4096 with data.num_workers=2 needs ")
+    assert "(2 rank(s) x " in proc.stderr and not (tmp_path / "run" / "submitit").exists()
