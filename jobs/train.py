@@ -210,15 +210,15 @@ def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, expl
         print(f"run_dir: {run_dir}\nattached to {launcher}: {launch.world_size} ranks on "
               f"{launch.num_nodes} node(s); cluster.mode={cfg.cluster.mode!r} is not used", flush=True)
         with trainer.before_rendezvous(launch, run_dir):
-            cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(cfg.parallelism, launch,
-                                                                            explicit, launcher))
+            cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
+                cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
             paths = check_before_submit(cfg)
         summary = trainer.train_rank(cfg, paths, str(run_dir))
         return report(summary, run_dir, notes=False)
     # Rank 0 reports what fails before the rendezvous: one copy of the error, not one per rank.
     try:
-        cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(cfg.parallelism, launch,
-                                                                        explicit, launcher))
+        cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
+            cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
     except ConfigError:
         sys.exit(2)
     paths = data_paths(cfg)  # rank 0 generates the demo data before it serves the rendezvous

@@ -25,8 +25,9 @@ def explicit_keys(overrides: Iterable[str]) -> set[str]:
 
 
 def fit_to_launch(parallelism: ParallelismConfig, launch: DistEnv, explicit: set[str],
-                  launcher: str) -> ParallelismConfig:
-    """``parallelism`` shaped like the launch; a contradicting explicit value is a ConfigError."""
+                  launcher: str, visible_gpus: int = 0) -> ParallelismConfig:
+    """``parallelism`` shaped like the launch; a contradicting explicit value, or GPUs bound so
+    that some task has none of its own (``visible_gpus``: what this task sees), is a ConfigError."""
     tasks_key = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
     tasks = parallelism.gpus_per_node or parallelism.procs_per_node
     if "parallelism.nodes" in explicit and parallelism.nodes != launch.num_nodes:
@@ -41,9 +42,24 @@ def fit_to_launch(parallelism: ParallelismConfig, launch: DistEnv, explicit: set
                           f"task is one {unit} rank (try {tasks_key}={launch.local_world_size}, or "
                           f"leave it out)")
     if parallelism.gpus_per_node > 0:
+        check_gpu_binding(launch, launcher, visible_gpus)
         return dataclasses.replace(parallelism, nodes=launch.num_nodes,
                                    gpus_per_node=launch.local_world_size)
     return dataclasses.replace(parallelism, nodes=launch.num_nodes, procs_per_node=launch.local_world_size)
+
+
+def check_gpu_binding(launch: DistEnv, launcher: str, visible_gpus: int) -> None:
+    """One GPU per task: each task sees its own (``--gpus-per-task=1``) or all of the node's
+    (``--gpus-per-node``, each rank takes the one at its local rank). Anything between leaves
+    some tasks without a GPU of their own."""
+    per_node = launch.local_world_size
+    if visible_gpus == 1 or visible_gpus >= per_node:
+        return
+    bound = "no GPU" if visible_gpus == 0 else f"{visible_gpus} GPUs"
+    raise ConfigError(f"parallelism.gpus_per_node asks for one GPU per task, but {launcher} started "
+                      f"{per_node} task(s) on node {launch.hostname} and this task sees {bound} "
+                      f"(try srun --gpus-per-task=1, or --gpus-per-node={per_node}; or "
+                      f"parallelism=cpu to train on CPU)")
 
 
 def describe(launch: DistEnv) -> str:

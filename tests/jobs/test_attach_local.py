@@ -90,7 +90,8 @@ def test_the_launch_decides_the_shape_and_an_explicit_contradiction_is_refused()
     assert launch is not None
     fitted = attach.fit_to_launch(ParallelismConfig(), launch, set(), "srun (job 85)")
     assert (fitted.nodes, fitted.procs_per_node, fitted.world_size) == (2, 2, 4)
-    gpus = attach.fit_to_launch(ParallelismConfig(gpus_per_node=8), launch, set(), "srun (job 85)")
+    gpus = attach.fit_to_launch(ParallelismConfig(gpus_per_node=8), launch, set(), "srun (job 85)",
+                                visible_gpus=2)
     assert gpus.gpus_per_node == 2
     with pytest.raises(ConfigError, match=r"parallelism.nodes=1 contradicts the launch: srun \(job 85\) "
                                           r"started 2 node\(s\) \(try parallelism.nodes=2"):
@@ -138,3 +139,24 @@ def test_pass_through_options_reach_the_script(tmp_path: Path) -> None:
 def test_dry_run_is_for_slurm_only() -> None:
     with pytest.raises(ConfigError, match=r"cluster\.dry_run=True is invalid"):
         ClusterConfig(mode="local", dry_run=True)
+
+
+@pytest.mark.parametrize(("visible", "fits"), [(1, True), (2, True), (8, True), (0, False)])
+def test_each_task_needs_a_gpu_of_its_own(visible: int, fits: bool) -> None:
+    """--gpus-per-task=1 (1 each) or --gpus-per-node (all of them) fit; none bound does not."""
+    launch = dist_env.attached_launch(SRUN_TASK)
+    assert launch is not None
+    if fits:
+        attach.fit_to_launch(ParallelismConfig(gpus_per_node=2), launch, set(), "srun", visible)
+        return
+    with pytest.raises(ConfigError, match=r"srun started 2 task\(s\) on node n1 and this task sees no "
+                                          r"GPU \(try srun --gpus-per-task=1, or --gpus-per-node=2"):
+        attach.fit_to_launch(ParallelismConfig(gpus_per_node=2), launch, set(), "srun", visible)
+
+
+def test_three_gpus_for_four_tasks_leave_one_without() -> None:
+    launch = dist_env.attached_launch({**SRUN_TASK, "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_NTASKS": "4",
+                                       "SLURM_STEP_NUM_NODES": "1"})
+    assert launch is not None
+    with pytest.raises(ConfigError, match="this task sees 3 GPUs"):
+        attach.fit_to_launch(ParallelismConfig(gpus_per_node=4), launch, set(), "srun", 3)

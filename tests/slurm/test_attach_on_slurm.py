@@ -158,3 +158,23 @@ def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path) 
     submitted = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
     assert printed == submitted
     assert "#SBATCH --mail-type=NONE" in submitted
+
+
+def test_a_dependency_holds_the_job_until_its_predecessor_ends(tmp_path: Path) -> None:
+    """prepare -> train pipelines: cluster.dependency=afterok:ID reaches sbatch."""
+    first = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/first-%j.out", "--wrap=sleep 20"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    second = None
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "jobs.train", "cluster=slurm", "cluster.wait=false",
+             f"cluster.dependency=afterok:{first}", "optim.max_steps=5", *SMALL,
+             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        second = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
+        reason = subprocess.run(["squeue", "-h", "-j", second, "-o", "%T %r"], capture_output=True,
+                                text=True).stdout.split()
+        assert reason == ["PENDING", "Dependency"], reason
+    finally:
+        subprocess.run(["scancel", first, *([second] if second else [])], check=False)
