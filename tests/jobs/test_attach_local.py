@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
-from orchestrator.launch import attach, dist_env, run_lock, submit
+from orchestrator.launch import attach, dist_env, local_jobs, run_lock, submit
 
 SMALL = ["optim.max_steps=20", "data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=false"]
 SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
@@ -49,6 +49,8 @@ def test_a_second_run_in_a_busy_run_directory_is_refused_before_submission(tmp_p
     finally:
         first.terminate()
         first.wait(timeout=120)
+        for log in (run_dir / "submitit").glob("*_0_log.out"):  # its ranks outlive the submitter
+            local_jobs.kill(int(log.name.split("_")[0]))
     assert second.returncode == 2
     assert f"error: hydra.run.dir='{run_dir}' is in use by job " in second.stderr
     assert "(rank 0, pid " in second.stderr

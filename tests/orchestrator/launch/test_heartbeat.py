@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.launch import local_jobs
 from orchestrator.launch.heartbeat import Beat, Heartbeat, read_beats, verdict
 
 
@@ -64,6 +65,8 @@ def test_a_frozen_rank_is_named_and_the_failure_reads_as_a_failure(tmp_path: Pat
         _out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
+        for log in (run_dir / "submitit").glob("*_0_log.out"):  # ranks outlive a killed submitter
+            local_jobs.kill(int(log.name.split("_")[0]))
     assert proc.returncode == 2, err[-3000:]
     report = err[err.index("error: job"):]
     assert "failed (FAILED)" in report.splitlines()[0]
