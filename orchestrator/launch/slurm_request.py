@@ -84,9 +84,9 @@ def check(params: Mapping[str, Any], keys: Mapping[str, str] = CONFIG_KEYS) -> N
     except (OSError, subprocess.SubprocessError, ValueError, LookupError):
         reasons = []  # the limits are a courtesy; sbatch's own refusal is the verdict
     if "invalid partition" in refusal.lower():
-        key = keys["partition"]
-        reasons = [f"{key}={params.get('partition')!r} is not a partition here (partitions: "
-                   f"{', '.join(partitions())}) (try {key}=null for the default)"]
+        key, known = keys["partition"], partitions()
+        reasons = [f"{key}={params.get('partition')!r} is invalid: no such partition (partitions: "
+                   f"{', '.join(known)}) (try {key}={known[0] if known else 'null'})"]
     given = {**params, **params.get("additional_parameters", {})}
     for said, names, fix in REFUSAL_HINTS:
         held = [f"{_key_of(p, keys)}={given[p]!r}" for p in names if p in given]
