@@ -32,7 +32,7 @@ from orchestrator.config import (
 )
 from orchestrator.launch import attach, dist_env, rendezvous, run_lock, slurm_request, submit
 from orchestrator.terminal import printable, refuse_control
-from orchestrator.training import trainer
+from orchestrator.training import run_log, trainer
 from sharding import DatasetError, ShardedDataset, open_dataset
 from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 
@@ -87,6 +87,7 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
     if cfg.cluster.mode != "slurm":  # every rank is on this machine: its /dev/shm is theirs
         _check_worker_memory(paths, cfg)
+    run_log.check_available(cfg.logger)
     with torch.device("meta"):  # builds the model's structure without allocating its weights
         trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
     if cfg.cluster.mode == "slurm":

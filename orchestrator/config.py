@@ -361,6 +361,16 @@ class TelemetryConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where rank 0 writes the metrics reduced over all ranks: RUN/metrics.jsonl always, plus these."""
+
+    tensorboard: bool = True  # event files in RUN/tensorboard: tensorboard --logdir <run or sweep dir>
+    wandb: bool = False  # Weights & Biases (pip install 'switchyard[wandb]'); WANDB_MODE=offline works
+    wandb_project: str = "switchyard"
+    wandb_entity: str | None = None  # your W&B team or user; None: W&B's default
+
+
+@dataclass
 class TrainConfig:
     """``python -m jobs.train``: the groups composed into one run."""
 
@@ -372,6 +382,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     eval_every_steps: int = 0  # 0: evaluate once, at the end
     log_every_steps: int = 10
@@ -408,6 +419,7 @@ def register_configs() -> None:
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="memory", name="base_memory", node=MemoryConfig)
     cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
+    cs.store(group="logger", name="base_logger", node=LoggerConfig)
     cs.store(group="model", name="base_mlp", node=MlpConfig)
     cs.store(group="model", name="base_transformer", node=TransformerConfig)
 

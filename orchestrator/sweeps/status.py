@@ -125,7 +125,8 @@ class JobRow:
 
 
 def last_metrics(run_dir: str) -> dict[str, Any] | None:
-    """The last complete line of RUN/metrics.jsonl (the trainer appends one per log step)."""
+    """The last complete training line of RUN/metrics.jsonl (the trainer appends one per log step,
+    and one per evaluation)."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         with open(path, "rb") as f:
@@ -138,7 +139,7 @@ def last_metrics(run_dir: str) -> dict[str, Any] | None:
             value = json.loads(line)
         except ValueError:
             continue  # a line being written right now
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "train_loss" in value:
             return value
     return None
 

@@ -147,6 +147,20 @@ def global_mean(rt: Runtime, sums: torch.Tensor) -> tuple[float, float]:
     return (total / count if count > 0 else float("nan")), count
 
 
+def global_sums(rt: Runtime, sums: torch.Tensor) -> list[float]:
+    """``sums`` summed over ranks where it lives, read once (a log or eval step's host sync)."""
+    reduced = sums.detach().to(torch.float64, copy=True)
+    dist.all_reduce(reduced)
+    return [float(v) for v in reduced.tolist()]
+
+
+def global_max(rt: Runtime, value: int) -> int:
+    """The largest of one host integer per rank: a CPU tensor, so it rides gloo beside NCCL."""
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())
+
+
 def gather(rt: Runtime, value: Any) -> list[Any]:
     """One value per rank, in rank order, on every rank."""
     out: list[Any] = [None] * rt.env.world_size

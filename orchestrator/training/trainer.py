@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import math
 import os
 import random
@@ -43,6 +42,7 @@ from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
 from orchestrator.training import checkpoint, preemption, runtime
 from orchestrator.training.device_batches import to_device
+from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
 from sharding import ShardedDataset, open_dataset
 from sharding.loader import make_loader
@@ -164,6 +164,15 @@ def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.d
     batch's real count, so k accumulated micro-batches give exactly the gradient of one batch k
     times larger, and padding entries contribute nothing.
     """
+    logits, y, real = batch_logits(model, batch, cfg, device)
+    per_sample = F.cross_entropy(logits, y, reduction="none") * real
+    total = per_sample.sum()
+    return total / denominator, total.detach(), real.sum()
+
+
+def batch_logits(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 logits, targets, real-entry mask) of one batch, on ``device``."""
     field, target = cfg.data.input_field, cfg.data.target_field
     x = batch[field].to(device, non_blocking=True)
     mask = batch.get(f"{field}_mask")
@@ -174,9 +183,7 @@ def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.d
     real = (~batch["is_pad"].to(device, non_blocking=True))
     with autocast(device, cfg.memory.amp):
         logits = model(x, mask)
-    per_sample = F.cross_entropy(logits.float(), y, reduction="none") * real
-    total = per_sample.sum()
-    return total / denominator, total.detach(), real.sum()
+    return logits.float(), y, real
 
 
 def new_sums(device: torch.device) -> torch.Tensor:
@@ -207,16 +214,21 @@ def backward_micro_batches(model: DistributedDataParallel, batches: list[Batch],
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, rt: Runtime) -> tuple[float, int]:
-    """(global mean eval loss, number of samples counted): every eval sample exactly once."""
+def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, rt: Runtime) -> tuple[float, int, float]:
+    """(global mean eval loss, number of samples counted, global accuracy): every eval sample
+    exactly once, padding entries counted in neither."""
     model.eval()
-    sums = new_sums(rt.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # [loss sum, count, correct]
     for batch in to_device(loader, rt.device, step_fields(cfg.data)):
-        _, batch_total, batch_count = batch_loss(model, batch, cfg, rt.device, 1.0)
-        add_to_sums(sums, batch_total, batch_count)
+        logits, y, real = batch_logits(model, batch, cfg, rt.device)
+        sums[0] += (F.cross_entropy(logits, y, reduction="none") * real).sum()
+        sums[1] += real.sum()
+        sums[2] += ((logits.argmax(-1) == y) & real).sum()
     model.train()
-    mean, global_count = runtime.global_mean(rt, sums)  # the one host read of the evaluation
-    return mean, int(global_count)
+    total, count, correct = runtime.global_sums(rt, sums)  # the one host read of the evaluation
+    if not count:
+        return float("nan"), 0, float("nan")
+    return total / count, int(count), correct / count
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,26 +269,29 @@ class MetricsWindow:
     """Training loss over the last ``log_every_steps`` steps, reduced over all ranks.
 
     Each rank adds its own loss sum and real-sample count, on its device (no host read); ``close``
-    all-reduces both (global sum / global count, never one rank's view), and rank 0 writes a line to
-    ``metrics.jsonl``. ``close`` is the window's one host-device sync.
+    all-reduces both (global sum / global count, never one rank's view) and the peak memory (max
+    over ranks, a CPU value over gloo), and rank 0 hands them to the run log (``run_log``) with the
+    learning rate and the gradient norm. ``close`` is the window's one host-device sync.
     """
 
-    def __init__(self, rt: Runtime, path: Path) -> None:
-        self.rt, self.path = rt, path
+    def __init__(self, rt: Runtime, log: RunLog | None) -> None:
+        self.rt, self.log = rt, log
         self.sums, self.start = new_sums(rt.device), time.perf_counter()
         self.last_loss = float("nan")
 
     def add(self, sums: torch.Tensor) -> None:
         self.sums += sums
 
-    def close(self, step: int) -> tuple[float, float]:
+    def close(self, step: int, lr: float, grad_norm: torch.Tensor | None) -> tuple[float, float]:
         """(global mean loss, global samples/s) of the window; starts the next one."""
         loss, global_count = runtime.global_mean(self.rt, self.sums)
         rate = global_count / max(time.perf_counter() - self.start, 1e-9)
-        if self.rt.is_main:
-            with open(self.path, "a") as log:
-                log.write(json.dumps({"step": step, "train_loss": loss, "samples_per_s": rate,
-                                      "t": time.time()}) + "\n")
+        peak = runtime.global_max(self.rt, peak_memory_bytes(self.rt.device))
+        if self.log is not None:
+            values = {"train_loss": loss, "samples_per_s": rate, "lr": lr, "peak_mem_bytes": peak}
+            if grad_norm is not None:  # equal on every rank: DDP averaged the gradients
+                values["grad_norm"] = float(grad_norm)
+            self.log.log(step, finite_or_null(values))
         self.sums.zero_()
         self.start = time.perf_counter()
         self.last_loss = loss
@@ -349,6 +364,7 @@ class Trainer:
         self.stop = preemption.StopFlag()
         self.resumed_from: dict[str, Any] | None = None  # for the summary: where this run continued
         self.checkpoint_warnings: list[str] = []
+        self.grad_norm: torch.Tensor | None = None  # of the last step that asked for it
 
     def eval_loader(self) -> Any:
         assert self.eval_ds is not None
@@ -377,8 +393,9 @@ class Trainer:
         """Real samples this rank trained on (a host read: checkpoints and the summary only)."""
         return int(self.real_samples)
 
-    def optimizer_step(self, stream: Iterator[Batch]) -> torch.Tensor:
-        """k micro-batches, then one optimizer step; returns [loss sum, real sample count] on the device."""
+    def optimizer_step(self, stream: Iterator[Batch], want_norm: bool = False) -> torch.Tensor:
+        """k micro-batches, then one optimizer step; returns [loss sum, real sample count] on the
+        device. ``want_norm`` (log steps only): the gradient norm, kept in ``grad_norm``."""
         self.mark("data")
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
         self.mark("compute")
@@ -387,7 +404,12 @@ class Trainer:
         self.sampler.advance(sum(len(b["index"]) for b in batches))
         if self.cfg.optim.clip_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
+            self.grad_norm = norm.detach() if want_norm else None
+        elif want_norm:  # a few kernels on a log step; the value stays on the device until logged
+            self.scaler.unscale_(self.optimizer)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self.grad_norm = torch.nn.utils.get_total_norm(grads).detach()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -482,21 +504,31 @@ class Trainer:
         self.agree_before_first_step()
         self.restore()
         cfg, rt = self.cfg, self.rt
+        log = RunLog(cfg.logger, self.run_dir, self.step, flatten(asdict(cfg))) if rt.is_main else None
+        try:
+            return self._loop(log, start)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _loop(self, log: RunLog | None, start: float) -> dict[str, Any]:
+        cfg, rt = self.cfg, self.rt
         stream, stops = self.batches(), StopPoll(self.stop)
-        window = MetricsWindow(rt, self.run_dir / "metrics.jsonl")
+        window = MetricsWindow(rt, log)
         eval_loss, eval_counted = float("nan"), 0
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not rt.is_main, dynamic_ncols=True) as bar:
             while self.step < cfg.optim.max_steps:
-                window.add(self.optimizer_step(stream))
+                logs = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == cfg.optim.max_steps
+                window.add(self.optimizer_step(stream, want_norm=logs))
                 last = self.step == cfg.optim.max_steps
-                if self.step % cfg.log_every_steps == 0 or last:
-                    loss, rate = window.close(self.step)
+                if logs:
+                    lr = float(self.schedule.get_last_lr()[0])
+                    loss, rate = window.close(self.step, lr, self.grad_norm)
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
                 bar.update(1)
                 if self.eval_ds is not None and self.due(cfg.eval_every_steps):
-                    self.mark("eval")
-                    eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
+                    eval_loss, eval_counted = self.evaluate(log)
                 if self.due(cfg.checkpoint.every_steps):
                     self.save_checkpoint()
                 reason = stops.poll()
@@ -505,10 +537,17 @@ class Trainer:
                     self.stop_for(reason)
         stops.drain()
         if self.eval_ds is not None and not self.due(cfg.eval_every_steps):
-            self.mark("eval")
-            eval_loss, eval_counted = evaluate(self.model, self.eval_loader(), cfg, rt)
+            eval_loss, eval_counted = self.evaluate(log)
         self.save_checkpoint()
         return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
+
+    def evaluate(self, log: RunLog | None) -> tuple[float, int]:
+        """Every eval sample once; rank 0 logs the loss and accuracy at this step."""
+        self.mark("eval")
+        loss, counted, accuracy = evaluate(self.model, self.eval_loader(), self.cfg, self.rt)
+        if log is not None:
+            log.log(self.step, finite_or_null({"eval_loss": loss, "eval_accuracy": accuracy}))
+        return loss, counted
 
     def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float
                   ) -> dict[str, Any]:

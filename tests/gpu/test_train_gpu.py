@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from rank_helpers import one_rank, write_rows_dataset
 
-from orchestrator.config import DataConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
+from orchestrator.config import DataConfig, LoggerConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
 from orchestrator.training import runtime, trainer
+from orchestrator.training.run_log import RunLog
 
 torch = pytest.importorskip("torch")
 
@@ -49,11 +50,11 @@ def test_steps_that_do_not_log_never_sync_the_gpu(one_gpu_rank: runtime.Runtime,
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
     run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, one_gpu_rank)
     stream = run.batches()
-    window = trainer.MetricsWindow(one_gpu_rank, tmp_path / "metrics.jsonl")
+    window = trainer.MetricsWindow(one_gpu_rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))
     stops = trainer.StopPoll(run.stop)
     window.add(run.optimizer_step(stream))  # the first step (optimizer state, cuBLAS handles)
     torch.cuda.synchronize()
-    batches = iter([next(stream) for _ in range(8)])
+    batches = iter([next(stream) for _ in range(10)])  # 5 steps of 2 micro-batches
     torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
     try:
         for _ in range(4):
@@ -61,8 +62,13 @@ def test_steps_that_do_not_log_never_sync_the_gpu(one_gpu_rank: runtime.Runtime,
             stops.poll()  # the stop flag: a CPU tensor over gloo, no GPU sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # a log step's gradient norm stays on the device until the window closes
+        window.add(run.optimizer_step(batches, want_norm=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     stops.drain()
-    loss, _ = window.close(run.step)
+    loss, _ = window.close(run.step, 0.1, run.grad_norm)
     assert loss > 0
 
 

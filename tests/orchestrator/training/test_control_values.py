@@ -30,7 +30,9 @@ def device_only(store, rank, size, timeout):
 dist.Backend.register_backend("devonly", device_only, devices=["cuda"])
 
 from orchestrator.launch import dist_env, rendezvous
+from orchestrator.config import LoggerConfig
 from orchestrator.training import preemption, runtime, trainer
+from orchestrator.training.run_log import RunLog
 
 run_dir = Path(sys.argv[1])
 env = dist_env.detect()
@@ -42,14 +44,17 @@ if env.rank == 1:
 stops = trainer.StopPoll(flag)
 decided = [stops.poll() for _ in range(3)]
 stops.drain()
-window = trainer.MetricsWindow(rt, run_dir / "metrics.jsonl")
+log = RunLog(LoggerConfig(tensorboard=False), run_dir, 0, {}) if env.rank == 0 else None
+window = trainer.MetricsWindow(rt, log)  # its peak memory is a host value reduced beside the device
 window.add(torch.tensor([3.0 * (env.rank + 1), 3.0], dtype=torch.float64))
-loss, _ = window.close(step=1)
+loss, _ = window.close(step=1, lr=0.1, grad_norm=None)
+totals = runtime.global_sums(rt, torch.tensor([1.0, float(env.rank)], dtype=torch.float64))
 runtime.agree(rt, batches_per_epoch=7)
 ranks = runtime.gather(rt, env.rank)
 chosen = runtime.broadcast(rt, "checkpoint-from-rank-0" if env.rank == 0 else None)
 dist.barrier()
-print(f"backend={backend} decided={[d.name for d in decided]} loss={loss} ranks={ranks} chosen={chosen}")
+print(f"backend={backend} decided={[d.name for d in decided]} loss={loss} ranks={ranks} chosen={chosen} "
+      f"totals={totals}")
 rendezvous.destroy_process_group()
 """
 
@@ -75,4 +80,4 @@ def test_every_control_collective_works_beside_a_device_only_backend(tmp_path: P
         assert proc.returncode == 0, err[-3000:]
         # the flag of rank 1 reached rank 0 one poll later; the mean is (3 + 6) / (3 + 3)
         assert ("backend=devonly decided=['NONE', 'PREEMPTED', 'PREEMPTED'] loss=1.5 ranks=[0, 1] "
-                "chosen=checkpoint-from-rank-0") in out
+                "chosen=checkpoint-from-rank-0 totals=[2.0, 1.0]") in out

@@ -21,8 +21,17 @@ import pytest
 from rank_helpers import one_rank, write_rows_dataset
 from torch.overrides import TorchFunctionMode
 
-from orchestrator.config import DataConfig, MemoryConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
+from orchestrator.config import (
+    DataConfig,
+    LoggerConfig,
+    MemoryConfig,
+    MlpConfig,
+    OptimConfig,
+    TelemetryConfig,
+    TrainConfig,
+)
 from orchestrator.training import runtime, trainer
+from orchestrator.training.run_log import RunLog
 
 HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy", "cpu"}
 
@@ -62,12 +71,12 @@ def test_a_step_that_does_not_log_reads_nothing_on_the_host(rank: runtime.Runtim
     run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, rank)
     stream = run.batches()
     batches = iter([next(stream) for _ in range(6)])  # the loader's own work is not the step's
-    window = trainer.MetricsWindow(rank, tmp_path / "metrics.jsonl")
+    window = trainer.MetricsWindow(rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))
     with HostReads() as counted:
-        for _ in range(3):
-            window.add(run.optimizer_step(batches))
+        for step in range(3):  # the last is a log step: its gradient norm stays on the device too
+            window.add(run.optimizer_step(batches, want_norm=step == 2))
     assert counted.reads == [], f"host reads in steps that do not log: {counted.reads}"
     with HostReads() as counted:
-        loss, _ = window.close(run.step)  # a log step: the window's one read
+        loss, _ = window.close(run.step, 0.1, run.grad_norm)  # a log step: the window's one read
     assert counted.reads and loss > 0
     assert run.samples_seen == 48  # 3 steps x 2 micro-batches x 8, read once, outside the steps

@@ -1,0 +1,40 @@
+"""The run log's rules on their own: what a resume drops, the flat config, the stable W&B id, and a
+chosen backend that is not installed failing before submission."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import ConfigError, LoggerConfig
+from orchestrator.training.run_log import check_available, drop_after, flatten, wandb_id
+
+
+def test_a_resume_drops_the_lines_logged_after_its_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "train_loss": 1.0 / s} for s in (5, 10, 15, 20)] + [{"step": 10, "eval_loss": 2}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 25, "train_lo')
+    drop_after(path, 10)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(k["step"], "eval_loss" in k) for k in kept] == [(5, False), (10, False), (10, True)]
+
+
+def test_the_config_is_flattened_with_dotted_keys() -> None:
+    assert flatten({"optim": {"lr": 1e-3, "betas": [0.9, 0.95]}, "seed": 0, "x": None}) == {
+        "optim.lr": 1e-3, "optim.betas": "[0.9, 0.95]", "seed": 0, "x": "None"}
+
+
+def test_the_wandb_id_follows_the_run_directory(tmp_path: Path) -> None:
+    assert wandb_id(tmp_path / "a") == wandb_id(tmp_path / "a") != wandb_id(tmp_path / "b")
+
+
+def test_a_chosen_backend_that_is_not_installed_fails_before_submission(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets without the extra
+    with pytest.raises(ConfigError, match=r"logger.wandb=true but wandb is not installed \(pip install "
+                                          r"'switchyard\[wandb\]', or logger.wandb=false\)"):
+        check_available(LoggerConfig(wandb=True))
+    check_available(LoggerConfig(wandb=False))
