@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 from orchestrator.config import ConfigError, PrepareConfig, invalid, register_configs
 from orchestrator.terminal import printable, refuse_control
-from sharding.format import DatasetError, fingerprint
-from sharding.writer import DatasetWriter, check_output, human_bytes
+from sharding.format import DatasetError, WriteError, fingerprint
+from sharding.writer import DatasetWriter, check_output, existing_ancestor, human_bytes
 
 register_configs()  # before @hydra.main composes `defaults: [prepare_schema, ...]`
 
@@ -323,9 +323,7 @@ def input_bytes(kind: str, path: Path) -> int:
 def check_space(output: Path, needed: int) -> None:
     """Refuse now an output whose file system cannot hold the dataset, instead of at the full disk
     an hour in. The dataset is about the input's size; a smaller free space cannot fit it."""
-    existing = output.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = existing_ancestor(output.parent)
     free = shutil.disk_usage(existing).free
     if needed > free:
         raise DatasetError(f"output={str(output)!r}: the dataset needs about {human_bytes(needed)} "
@@ -357,6 +355,8 @@ def convert(source: Source, output: Path, shard_bytes: int, overwrite: bool) -> 
 def _append(writer: DatasetWriter, sample: Sample, source: Source, number: int) -> None:
     try:
         writer.append(sample)
+    except WriteError:
+        raise  # the output's file system failed: which input sample it was writing is no help
     except DatasetError as e:
         e.add_note(f"input: {source.describe(number)}")
         raise
@@ -383,8 +383,10 @@ def _message(error: BaseException) -> str:
 def main(cfg: DictConfig) -> None:
     try:
         result = prepare(to_config(cfg))
-    except (ConfigError, DatasetError) as e:
-        # A one-line reason instead of Hydra's traceback: these are the user's input, not a bug.
+    except (ConfigError, DatasetError, OSError) as e:
+        # A one-line reason instead of Hydra's traceback: these are the user's input or file
+        # system (an unreadable input file, a full disk), not a bug. The writer has already
+        # removed its partial copy; an OSError names its file.
         raise SystemExit(f"jobs.prepare: error: {printable(_message(e))}") from e
     print(result)
 

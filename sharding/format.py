@@ -44,6 +44,11 @@ class SchemaMismatchError(DatasetError):
         self.field = field
 
 
+class WriteError(DatasetError):
+    """The file system refused the writer (full, over quota, read-only); the message names the
+    output, the bytes written, the space left and the fix, and nothing was published."""
+
+
 class CorruptDatasetError(DatasetError):
     """A file is missing, truncated, foreign or damaged; the message names the file and shard."""
 

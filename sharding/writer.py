@@ -6,12 +6,17 @@ bad sample or an exception inside the ``with`` block therefore never leaves a di
 ``path`` that looks like a finished dataset. Samples are validated completely before any byte of
 them is written, so a refused sample leaves the writer usable.
 
-A writer holds an flock on its temp directory while it writes. A writer killed outright (SIGKILL,
-the OOM killer, a node gone) cannot remove its directory, but the kernel drops its lock; so each new
-writer removes the unlocked temp siblings of its path, and never a live writer's.
+A writer holds an flock on the file ``.lock`` in its temp directory while it writes (a regular
+file opened read-write, not the directory: NFS emulates flock with byte-range locks, which need a
+file open for writing). A writer killed outright (SIGKILL, the OOM killer, a node gone) cannot
+remove its directory, but the kernel drops its lock; so each new writer removes the temp siblings
+of its path whose lock it can take, and never a live writer's. A directory without a ``.lock``
+(a writer in its first instant, or on a file system without flock) is left alone: nobody can tell
+whether its writer lives.
 
-A full disk (or quota, or a read-only file system) is a DatasetError naming the output, the bytes
-written and the space left; the temp directory is removed and nothing is published.
+A full disk (or quota, or a read-only file system), from the first directory to the last rename,
+is a WriteError naming the output, the bytes written and the space left; the temp directory is
+removed and nothing is published.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from sharding.format import (
     SchemaMismatchError,
     ShardInfo,
     ValueRange,
+    WriteError,
     describe_array,
     dtype_name,
     encode_index_head,
@@ -51,6 +57,11 @@ from sharding.format import (
 
 DEFAULT_SHARD_BYTES = 256 * 2**20
 _ZEROS = bytes(8)
+LOCK_NAME = ".lock"  # in a writer's temp directory while it writes; gone before the publish
+# Temp directories of this process's open writers. A remover never opens their lock: where flock
+# is emulated by POSIX byte-range locks (NFS), a process's own locks never conflict with it, and
+# closing any descriptor of the file would drop the lock of the writer that holds it.
+_OWN_TEMP_DIRS: set[Path] = set()
 
 
 def check_output(path: Path, overwrite: bool) -> None:
@@ -93,14 +104,18 @@ class DatasetWriter:
         if schema is not None:
             self._set_schema(dict(schema))
         check_output(self.path, overwrite)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_siblings(self.path)
-        self._tmp = _make_sibling_dir(self.path, "tmp")
-        lock = _lock_dir(self._tmp)
-        if lock is None:  # a writer starting in the same instant took it for a stale one
-            raise DatasetError(f"cannot lock the new temporary directory {self._tmp}: another "
-                               f"writer of {self.path} started at the same moment")
-        self._lock: int = lock
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_siblings(self.path)
+            self._tmp = _make_sibling_dir(self.path, "tmp")
+        except OSError as e:  # a read-only or full file system fails here, before any sample
+            raise WriteError(_io_message(self.path, e, 0)) from e
+        try:
+            self._lock = _hold_new_lock(self._tmp)
+        except OSError as e:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise WriteError(_io_message(self.path, e, 0)) from e
+        _OWN_TEMP_DIRS.add(self._tmp)
         self._shards: list[ShardInfo] = []
         self._shard: _ShardFile | None = None
         self._is_open = True
@@ -170,10 +185,14 @@ class DatasetWriter:
                     self._finish_shard()
                 manifest = self._build_manifest()
                 _write_synced(self._tmp / MANIFEST_NAME, manifest.to_json().encode())
+                # Unlinked, the lock file still holds the flock through its descriptor; removers
+                # leave a directory without one alone, so the dataset never carries it.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._tmp / LOCK_NAME)
                 _fsync_dir(self._tmp)
                 self._publish()
             self.manifest, self._is_open = manifest, False
-            os.close(self._lock)  # published: the directory is the dataset now
+            self._release()  # published: the directory is the dataset now
         except BaseException:
             self.abort()
             raise
@@ -187,6 +206,11 @@ class DatasetWriter:
             self._shard = None
         shutil.rmtree(self._tmp, ignore_errors=True)
         if was_open:
+            self._release()
+
+    def _release(self) -> None:
+        _OWN_TEMP_DIRS.discard(self._tmp)
+        if self._lock is not None:
             os.close(self._lock)
 
     @contextlib.contextmanager
@@ -195,9 +219,12 @@ class DatasetWriter:
         try:
             yield
         except OSError as e:
-            written = self.num_bytes + (self._shard.num_bytes if self._shard else 0)
+            # What reached the file system: finished shards, both files, and the open shard's data
+            # (self.num_bytes counts the open shard's samples too: adding both counted them twice).
+            written = sum(s.data_bytes + s.index_bytes for s in self._shards)
+            written += self._shard.num_bytes if self._shard else 0
             self.abort()
-            raise DatasetError(_io_message(self.path, e, written)) from e
+            raise WriteError(_io_message(self.path, e, written)) from e
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -295,7 +322,10 @@ class _ShardFile:
         )
 
     def discard(self) -> None:
-        self._file.close()
+        # On a full disk close() fails again flushing the buffer (it still closes the descriptor);
+        # that error must not stop the abort from removing the temp directory.
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def _check_name(name: object, number: int) -> str:
@@ -363,17 +393,31 @@ def _check_field(spec: FieldSpec, a: np.ndarray, number: int, name: str) -> np.n
 
 
 def _io_message(path: Path, error: OSError, written: int) -> str:
+    """One line: the output, the system's reason, how far the writer got, the space, the fix."""
     cause = error.strerror or str(error)
+    if error.filename and not str(error.filename).startswith(str(path.parent)):
+        cause += f" ({error.filename})"  # a path outside the output's directory says where
     try:
-        free = f", {human_bytes(shutil.disk_usage(path.parent).free)} free there"
+        free = f", {human_bytes(shutil.disk_usage(existing_ancestor(path)).free)} free there"
     except OSError:
         free = ""
     fix = {errno.ENOSPC: "free space on that file system, or choose another output",
            errno.EDQUOT: "your quota there is used up: free some, or choose another output",
-           errno.EROFS: "that file system is read-only: choose another output"}.get(
+           errno.EROFS: "that file system is read-only: choose another output",
+           errno.EACCES: "you may not write there: choose another output"}.get(
         error.errno or 0, "check the output directory, or choose another output")
+    if written == 0:
+        return (f"cannot write {path}: {cause} before any data was written{free}; nothing was "
+                f"published ({fix})")
     return (f"cannot write {path}: {cause} after {human_bytes(written)} of data{free}; nothing was published "
             f"and the partial copy was removed ({fix})")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest existing parent: where to ask for the free space of a future path."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def human_bytes(num_bytes: int) -> str:
@@ -381,36 +425,69 @@ def human_bytes(num_bytes: int) -> str:
 
 
 def remove_stale_siblings(path: Path) -> list[Path]:
-    """Remove what killed writers of ``path`` left: unlocked ``.<name>.tmp-*`` directories, and
-    ``.<name>.old-*`` ones once ``path`` exists (before that, an old one may be the only copy of
-    the previous dataset, moved aside by a publish that was cut short). Returns what was removed."""
+    """Remove what killed writers of ``path`` left: ``.<name>.tmp-*`` directories whose lock this
+    process can take, and ``.<name>.old-*`` ones once ``path`` exists (a publish moves the old
+    dataset there, renames the new one in, then deletes it; before ``path`` exists again, an old
+    one may be the only copy of the previous dataset). Returns what was removed."""
     removed = []
-    candidates = sorted(path.parent.glob(f".{path.name}.tmp-*"))
-    if path.exists():
-        candidates += sorted(path.parent.glob(f".{path.name}.old-*"))
-    for candidate in candidates:
-        fd = _lock_dir(candidate)
+    for candidate in sorted(path.parent.glob(f".{path.name}.tmp-*")):
+        fd = None if candidate in _OWN_TEMP_DIRS else _take_lock(candidate / LOCK_NAME)
         if fd is None:
-            continue  # a live writer's
+            continue  # a live writer's, or one nobody can judge
         try:
             shutil.rmtree(candidate, ignore_errors=True)
             removed.append(candidate)
         finally:
             os.close(fd)
+    if path.exists():
+        for old in sorted(path.parent.glob(f".{path.name}.old-*")):
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
     return removed
 
 
-def _lock_dir(path: Path) -> int | None:
-    """An fd holding an exclusive flock on directory ``path``; None if another process holds it."""
+def _take_lock(lock_file: Path) -> int | None:
+    """An fd holding the exclusive flock of an existing lock file; None if it is held, missing,
+    not ours to open, or the file system has no flock."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(lock_file, os.O_RDWR)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # BlockingIOError: a live writer holds it; others: no flock here
         os.close(fd)
         return None
+    return fd
+
+
+# flock errors that mean "this file system has no flock" (Lustre without -o flock: ENOSYS; NFS
+# without a lock manager: ENOLCK), not a failure to write.
+_NO_FLOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+def _hold_new_lock(tmp: Path) -> int | None:
+    """Create ``tmp/.lock`` already locked; None where the file system has no flock (the
+    directory then has no ``.lock``, and other writers leave it alone).
+
+    Locked under another name and renamed: a remover opens ``.lock`` only, so it can never take
+    the lock between this process creating the file and locking it.
+    """
+    staging = tmp / f"{LOCK_NAME}-new"
+    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(staging)
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+    try:
+        os.rename(staging, tmp / LOCK_NAME)
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
