@@ -506,9 +506,15 @@ def fingerprint(manifest: Manifest) -> str:
 def check_schemas_equal(expected: Schema, actual: Schema, path: Path | str,
                         shard: int | None) -> None:
     """The index's field table must repeat the manifest's schema exactly, field order included."""
-    if list(expected.items()) != list(actual.items()):
-        raise corrupt(path, shard, f"index schema {format_schema(actual)} differs from the "
-                                   f"manifest's {format_schema(expected)}")
+    if list(expected.items()) == list(actual.items()):
+        return
+    differ = [f"field {n!r} is {actual[n]} in the index, {expected[n]} in the manifest"
+              for n in expected if n in actual and actual[n] != expected[n]]
+    differ += [f"field {n!r} is only in the manifest" for n in expected if n not in actual]
+    differ += [f"field {n!r} is only in the index" for n in actual if n not in expected]
+    raise corrupt(path, shard, f"index schema {format_schema(actual)} differs from the manifest's "
+                               f"{format_schema(expected)}: "
+                               f"{'; '.join(differ) or 'the fields are in another order'}")
 
 
 def format_schema(schema: Schema | Iterable[tuple[str, FieldSpec]]) -> str:

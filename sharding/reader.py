@@ -91,15 +91,14 @@ def _check_header(
     header: IndexHeader, info: ShardInfo, manifest: Manifest, path: Path, shard: int
 ) -> None:
     check_schemas_equal(manifest.schema, header.schema, path, shard)
-    recorded = (header.num_samples, header.data_bytes, header.index_bytes)
-    expected = (info.num_samples, info.data_bytes, info.index_bytes)
-    if recorded != expected:
-        raise corrupt(
-            path,
-            shard,
-            f"index header records (samples, data bytes, index bytes) = "
-            f"{recorded}, the manifest {expected}",
-        )
+    differ = [f"{key} {recorded} in the index header, {expected} in the manifest"
+              for key, recorded, expected in (
+                  ("num_samples", header.num_samples, info.num_samples),
+                  ("data_bytes", header.data_bytes, info.data_bytes),
+                  ("index_bytes", header.index_bytes, info.index_bytes))
+              if recorded != expected]
+    if differ:
+        raise corrupt(path, shard, "; ".join(differ))
 
 
 class _Field(NamedTuple):
@@ -220,30 +219,45 @@ class ShardedDataset:
         """Smallest and largest value of an integer scalar field (labels): from the manifest when
         its writer recorded them (and ``recorded``), else read from every shard, vectorized (its
         8 bytes a sample); ``recorded=False`` is how verify checks the manifest's figures."""
+        self._integer_scalar(field)
+        noted = self.manifest.value_ranges.get(field) if recorded else None
+        if noted is not None:
+            return noted.min_value, noted.max_value
+        ranges = [r for shard in range(len(self._ends))
+                  if (r := self.shard_value_range(shard, field)) is not None]
+        if not ranges:
+            raise DatasetError(f"field {field!r} has no values: the dataset has no samples")
+        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+
+    def shard_value_range(self, shard: int, field: str) -> tuple[int, int] | None:
+        """Smallest and largest value of an integer scalar field in one shard, read from its data
+        file (never the manifest); None for an empty shard.
+
+        One gather per block: every field starts at a multiple of 8, so the data file viewed as the
+        field's dtype holds sample k's value at ``offset_k // itemsize``.
+        """
+        self._integer_scalar(field)
+        num_samples = self.manifest.shards[shard].num_samples
+        if num_samples == 0:
+            return None
+        mapped = self._mapped[shard] or self._map(shard)
+        spot = mapped.fields[self._field_numbers[field]]
+        size = spot.dtype.itemsize
+        values = mapped.bytes[:len(mapped.bytes) // size * size].view(spot.dtype)
+        lo, hi = [], []
+        for start in range(0, num_samples, 1 << 20):  # bounded temporaries: 8 MB per block
+            block = values[spot.offsets_array[start:start + (1 << 20)] // size]
+            lo.append(int(block.min()))
+            hi.append(int(block.max()))
+        return min(lo), max(hi)
+
+    def _integer_scalar(self, field: str) -> FieldSpec:
         spec = self.manifest.schema.get(field)
         if spec is None:
             raise self._unknown_field(field)
         if not spec.is_scalar or not np.issubdtype(spec.np_dtype, np.integer):
             raise DatasetError(f"field {field!r} is {spec}, not an integer scalar: it has no value range")
-        noted = self.manifest.value_ranges.get(field) if recorded else None
-        if noted is not None:
-            return noted.min_value, noted.max_value
-        lo, hi = None, None
-        for shard, info in enumerate(self.manifest.shards):
-            if info.num_samples == 0:
-                continue
-            mapped = self._mapped[shard] or self._map(shard)
-            spot = next(f for f in mapped.fields if f.name == field)
-            width = np.arange(spot.dtype.itemsize)
-            for start in range(0, info.num_samples, 1 << 20):  # bounded temporaries per block
-                offsets = spot.offsets_array[start:start + (1 << 20)]
-                values = mapped.bytes[offsets[:, None] + width].view(spot.dtype)
-                block_lo, block_hi = int(values.min()), int(values.max())
-                lo = block_lo if lo is None else min(lo, block_lo)
-                hi = block_hi if hi is None else max(hi, block_hi)
-        if lo is None or hi is None:
-            raise DatasetError(f"field {field!r} has no values: the dataset has no samples")
-        return lo, hi
+        return spec
 
     @property
     def fixed_fields(self) -> frozenset[str]:

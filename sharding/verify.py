@@ -1,14 +1,22 @@
 """``switchyard verify PATH``: structure and every checksum, each failure named by file and shard.
 
 Opening a dataset already checks magic, version and sizes; only verify reads every byte, because
-hashing a large dataset takes as long as reading it once (xxh3 runs faster than the disk).
+hashing a large dataset takes as long as reading it once (xxh3 runs faster than the disk). Every
+figure of the manifest is checked against what the files hold: per shard its files, sample count,
+sizes and schema against the index header; the totals against the shards; the shard files in the
+directory against the shards listed; each field's recorded leading sizes and values against the
+index and data. A manifest edited by hand, or by a bad copy, is caught even where every checksum
+it lists still matches.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from sharding.format import (
     MANIFEST_NAME,
@@ -49,7 +57,7 @@ def _verify(root: Path) -> tuple[Manifest | None, list[Problem]]:
         return None, [Problem(e.file or str(root / MANIFEST_NAME), None, _strip_location(e))]
     except DatasetError as e:
         return None, [Problem(str(root), None, str(e).removeprefix(f"{root}: "))]
-    problems: list[Problem] = []
+    problems = _verify_file_names(root, manifest)
     for shard, info in enumerate(manifest.shards):
         problems += _verify_shard(root, shard, info, manifest)
     if not problems:  # the figures are read from the index and data; only sound shards can tell
@@ -57,32 +65,101 @@ def _verify(root: Path) -> tuple[Manifest | None, list[Problem]]:
     return manifest, problems
 
 
+# What the writer names shard files; any such file in the directory belongs to a listed shard.
+_SHARD_FILE = re.compile(r"shard-\d+\.(bin|idx)")
+
+
+def _verify_file_names(root: Path, manifest: Manifest) -> list[Problem]:
+    """Each shard's files are its own, and every shard file in the directory is listed: a shard
+    entry copied over another (its samples read twice) or deleted (its samples gone, with
+    num_samples lowered to match) passes every size and checksum check."""
+    where, problems = str(root / MANIFEST_NAME), []
+    owner: dict[str, int] = {}  # file name -> the first shard that lists it
+    for shard, info in enumerate(manifest.shards):
+        for key, name in (("data_file", info.data_file), ("index_file", info.index_file)):
+            if name in owner:
+                problems.append(Problem(where, shard, (
+                    f"{key} {name!r} is also shard {owner[name]}'s: its samples would be read "
+                    f"twice, and this shard's own files not at all")))
+            owner.setdefault(name, shard)
+    unlisted = sorted(p.name for p in root.iterdir() if _SHARD_FILE.fullmatch(p.name) and p.name not in owner)
+    problems += [Problem(str(root / name), None, (
+        f"not listed in the manifest ({len(manifest.shards)} shards, {manifest.num_samples} "
+        f"samples): the dataset leaves its samples out (its entry deleted or overwritten?)"))
+        for name in unlisted]
+    return problems
+
+
 def _verify_field_figures(root: Path, manifest: Manifest) -> list[Problem]:
     """The manifest's per-field figures against what the shards hold: each variable field's
     smallest and largest leading size, each integer scalar field's value range. Readers trust
     them (collate stacks a field whose sizes are equal; the trainer checks labels against the
     class count), so a changed figure would mislead them without failing any checksum."""
-    where, problems = str(root / MANIFEST_NAME), []
+    where = str(root / MANIFEST_NAME)
+    problems = _misplaced_figures(manifest, where)
     for shard, info in enumerate(manifest.shards):
         if 0 < manifest.shard_bytes < info.data_bytes:  # the writer rolls over before this size
             problems.append(Problem(where, shard, (
                 f"data_bytes {info.data_bytes} exceed the manifest's shard_bytes "
                 f"{manifest.shard_bytes}, which its writer never lets a shard pass")))
+    schema, shards = manifest.schema, manifest.shards
     with ShardedDataset(root, manifest) as ds:
         for name, stats in manifest.field_stats.items():
-            sizes = ds.leading_sizes(name)
-            actual = (int(sizes.min()), int(sizes.max())) if sizes.size else None
-            if actual is not None and actual != (stats.min_leading, stats.max_leading):
-                problems.append(Problem(where, None, (
-                    f"field {name!r}: the manifest's min_leading/max_leading "
-                    f"{stats.min_leading}/{stats.max_leading} differ from the index's "
-                    f"{actual[0]}/{actual[1]}")))
+            if name in schema and not schema[name].is_scalar:
+                ends = np.cumsum([s.num_samples for s in shards])[:-1]
+                found = [(int(a.min()), int(a.max())) if a.size else None
+                         for a in np.split(ds.leading_sizes(name), ends)]
+                problems += _compare_range(
+                    root, manifest, name, "min_leading/max_leading", "leading sizes", "index",
+                    (stats.min_leading, stats.max_leading), found)
         for name, values in manifest.value_ranges.items():
-            actual = ds.value_range(name, recorded=False)
-            if actual != (values.min_value, values.max_value):
-                problems.append(Problem(where, None, (
-                    f"field {name!r}: the manifest's min_value/max_value {values.min_value}/"
-                    f"{values.max_value} differ from the data's {actual[0]}/{actual[1]}")))
+            spec = schema.get(name)
+            if spec is not None and spec.is_scalar and np.issubdtype(spec.np_dtype, np.integer):
+                found = [ds.shard_value_range(shard, name) for shard in range(len(shards))]
+                problems += _compare_range(
+                    root, manifest, name, "min_value/max_value", "values", "data",
+                    (values.min_value, values.max_value), found)
+    return problems
+
+
+def _misplaced_figures(manifest: Manifest, where: str) -> list[Problem]:
+    """Figures on a field that cannot have them: no reader would ever check them against data."""
+    problems = []
+    for name in manifest.field_stats:
+        spec = manifest.schema.get(name)
+        if spec is None or spec.is_scalar:
+            problems.append(Problem(where, None, (
+                f"field {name!r}: the manifest records min_leading/max_leading for "
+                f"{'no such field' if spec is None else f'a scalar ({spec})'}; only fields with a "
+                f"leading dimension have them")))
+    for name in manifest.value_ranges:
+        spec = manifest.schema.get(name)
+        if spec is None or not spec.is_scalar or not np.issubdtype(spec.np_dtype, np.integer):
+            problems.append(Problem(where, None, (
+                f"field {name!r}: the manifest records min_value/max_value for "
+                f"{'no such field' if spec is None else spec}; only integer scalar fields have them")))
+    return problems
+
+
+def _compare_range(root: Path, manifest: Manifest, name: str, keys: str, what: str, file_kind: str,
+                   recorded: tuple[int, int], found: list[tuple[int, int] | None]) -> list[Problem]:
+    """One Problem per shard whose figures fall outside the manifest's, naming its file; if none
+    do, one for the manifest when its figures are not the shards' actual extremes."""
+    problems = []
+    for shard, actual in enumerate(found):
+        if actual is not None and (actual[0] < recorded[0] or actual[1] > recorded[1]):
+            info = manifest.shards[shard]
+            file = info.index_file if file_kind == "index" else info.data_file
+            problems.append(Problem(str(root / file), shard, (
+                f"field {name!r}: {what} {actual[0]}..{actual[1]} in this {file_kind} file, outside "
+                f"the manifest's {keys} {recorded[0]}/{recorded[1]}")))
+    present = [a for a in found if a is not None]
+    if present and not problems:
+        overall = (min(lo for lo, _ in present), max(hi for _, hi in present))
+        if overall != recorded:
+            problems.append(Problem(str(root / MANIFEST_NAME), None, (
+                f"field {name!r}: the manifest's {keys} {recorded[0]}/{recorded[1]} differ from "
+                f"the {file_kind}'s {overall[0]}/{overall[1]}")))
     return problems
 
 

@@ -31,20 +31,69 @@ def field(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return lambda m: next(f for f in m["fields"] if f["name"] == name)
 
 
+def only_shard(m: dict[str, Any]) -> dict[str, Any]:
+    return m["shards"][0]  # type: ignore[no-any-return]
+
+
+def drop_last_shard(m: dict[str, Any]) -> None:
+    m["num_samples"] -= m["shards"].pop()["num_samples"]
+
+
+def list_shard_0_twice(m: dict[str, Any]) -> None:
+    m["shards"].append(dict(m["shards"][0]))  # every file still listed: only the repeat is wrong
+    m["num_samples"] += m["shards"][0]["num_samples"]
+
+
+# Each case edits one figure so that every file's size and checksum still match the manifest: only
+# the check named in the case can see it. Before each check existed, verify passed, crashed, or (for
+# the last three) named neither the field nor both values.
 @pytest.mark.parametrize(("change", "expected"), [
     (lambda m: field("x")(m).update(max_leading=4),
-     "field 'x': the manifest's min_leading/max_leading 1/4 differ from the index's 1/5"),
-    (lambda m: field("x")(m).update(min_leading=1, max_leading=1),
-     "field 'x': the manifest's min_leading/max_leading 1/1 differ from the index's 1/5"),
+     "shard 0: {root}/shard-00000.idx: field 'x': leading sizes 1..5 in this index file, outside the "
+     "manifest's min_leading/max_leading 1/4"),
+    (lambda m: field("x")(m).update(max_leading=6),
+     "{root}/manifest.json: field 'x': the manifest's min_leading/max_leading 1/6 differ from the index's 1/5"),
+    (lambda m: field("y")(m).update(max_value=1),
+     "shard 0: {root}/shard-00000.bin: field 'y': values 0..2 in this data file, outside the manifest's "
+     "min_value/max_value 0/1"),
     (lambda m: field("y")(m).update(max_value=9),
-     "field 'y': the manifest's min_value/max_value 0/9 differ from the data's 0/2"),
+     "{root}/manifest.json: field 'y': the manifest's min_value/max_value 0/9 differ from the data's 0/2"),
     (lambda m: m.update(shard_bytes=512),
-     "shard 0: {manifest}: data_bytes"),
+     "shard 0: {root}/manifest.json: data_bytes"),
+    (drop_last_shard,
+     "{root}/shard-00001.bin: not listed in the manifest (1 shards, "),
+    (list_shard_0_twice,
+     "shard 2: {root}/manifest.json: data_file 'shard-00000.bin' is also shard 0's: its samples would be "
+     "read twice"),
+    (lambda m: field("y")(m).update(min_leading=1, max_leading=1),
+     "{root}/manifest.json: field 'y': the manifest records min_leading/max_leading for a scalar (int64[])"),
+    (lambda m: field("x")(m).update(min_value=0, max_value=1),
+     "{root}/manifest.json: field 'x': the manifest records min_value/max_value for float32[*, 8]; only "
+     "integer scalar fields have them"),
+    (lambda m: (only_shard(m).update(num_samples=only_shard(m)["num_samples"] + 1),
+                m.update(num_samples=m["num_samples"] + 1)),
+     "shard 0: {root}/shard-00000.idx: num_samples {n0} in the index header, {n0_plus_1} in the manifest"),
+    (lambda m: field("x")(m).update(dtype="int32"),
+     "shard 0: {root}/shard-00000.idx: index schema {{x: float32[*, 8], y: int64[]}} differs from the "
+     "manifest's {{x: int32[*, 8], y: int64[]}}: field 'x' is float32[*, 8] in the index, int32[*, 8] in "
+     "the manifest"),
+    (lambda m: m.update(num_samples=m["num_samples"] + 1),
+     "{root}/manifest.json: manifest is invalid: num_samples 41 != the shards' sum 40"),
 ])
 def test_a_manifest_figure_that_differs_from_the_shards_is_named(
         tmp_path: Path, change: Callable[[dict[str, Any]], None], expected: str) -> None:
     path = dataset(tmp_path / "ds")
     assert verify(path) == []
+    n0 = json.loads((path / "manifest.json").read_text())["shards"][0]["num_samples"]
     edit(path, change)
     problems = [str(p) for p in verify(path)]
-    assert any(expected.format(manifest=path / "manifest.json") in p for p in problems), problems
+    wanted = expected.format(root=path, n0=n0, n0_plus_1=n0 + 1)
+    assert any(p.startswith(wanted) for p in problems), problems
+
+
+def test_every_shard_whose_figures_lie_outside_the_manifests_is_named(tmp_path: Path) -> None:
+    path = dataset(tmp_path / "ds")
+    edit(path, lambda m: field("x")(m).update(max_leading=1))  # 2..5 rows occur in every shard
+    problems = verify(path)
+    assert [p.shard for p in problems] == [0, 1] and {p.file for p in problems} == {
+        str(path / "shard-00000.idx"), str(path / "shard-00001.idx")}
