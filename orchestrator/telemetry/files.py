@@ -70,18 +70,25 @@ def load_ranks(run_dir: Path) -> list[RankInfo]:
     return sorted((r for r in map(read_rank, paths) if r is not None), key=lambda r: r.rank)
 
 
-def record_rank_peak(run_dir: Path, rank: int, device_index: int | None) -> Record:
+def record_rank_peak(run_dir: Path, rank: int, device_index: int | None,
+                     floor: Mapping[str, int] | None = None) -> Record:
     """Each rank at the end: write (and return) its peak memory to ``telemetry/peaks/rank-<R>.json``.
 
     On GPU: torch's peak allocated/reserved bytes on its device, and on any other device its
     allocator touched (the "loaded onto cuda:0" mistake, seen even where NVML's pids are a
-    container's). Always: peak RSS (``ru_maxrss``) and current USS of the process.
+    container's). Always: peak RSS (``ru_maxrss``) and current USS of the process. ``floor``
+    (``allocated``, ``reserved``, ``rss``): peaks the trainer kept while it reset the counters
+    once per logging window, so the run's peak survives the resets.
     """
+    low = dict(floor or {})
     usage_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    peak: Record = {"rank": rank, "device": device_index, "max_rss_bytes": usage_kib * 1024,
+    peak: Record = {"rank": rank, "device": device_index,
+                    "max_rss_bytes": max(usage_kib * 1024, low.get("rss", 0)),
                     "uss_bytes": psutil.Process().memory_full_info().uss}
     if device_index is not None:
         peak.update(_cuda_peak(device_index))
+        peak["max_allocated_bytes"] = max(peak["max_allocated_bytes"], low.get("allocated", 0))
+        peak["max_reserved_bytes"] = max(peak["max_reserved_bytes"], low.get("reserved", 0))
     _write_json_atomic(telemetry_dir(run_dir) / "peaks" / f"rank-{rank}.json", peak)
     return peak
 

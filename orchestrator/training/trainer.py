@@ -146,6 +146,49 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
+class WindowPeaks:
+    """This rank's peak memory per logging window, without losing the run's peak.
+
+    torch's peak allocated and reserved bytes (GPU) and the kernel's peak RSS (CPU) only grow. At
+    each log step the window's peak is read and then reset (``torch.cuda.reset_peak_memory_stats``;
+    ``5`` into ``/proc/self/clear_refs``, which also resets ``ru_maxrss``), and the run's peaks are
+    kept here: the summary and the telemetry's peak files take them as their floor. Host calls
+    only: reading the allocator's counters does not wait on the GPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.run: dict[str, int] = {"allocated": 0, "reserved": 0, "rss": 0}
+
+    def close_window(self) -> int:
+        """The peak since the previous call (allocated bytes on a GPU, RSS on CPU); resets it."""
+        seen = self.current()
+        self.run = {k: max(v, seen[k]) for k, v in self.run.items()}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return seen["allocated"]
+        # not Linux, or /proc read-only: the peaks keep growing, as before
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return seen["rss"]
+
+    def current(self) -> dict[str, int]:
+        rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        if self.device.type != "cuda":
+            return {"allocated": 0, "reserved": 0, "rss": rss}
+        return {"allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                "reserved": int(torch.cuda.max_memory_reserved(self.device)), "rss": rss}
+
+    def run_peaks(self) -> dict[str, int]:
+        """The run's peaks so far, this window included."""
+        return {k: max(v, self.current()[k]) for k, v in self.run.items()}
+
+    def run_peak(self) -> int:
+        """What ``peak_memory_bytes`` would say had nothing been reset."""
+        peaks = self.run_peaks()
+        return peaks["allocated"] if self.device.type == "cuda" else peaks["rss"]
+
+
 # ------------------------------------------------------------------------------------------------
 # One micro-step and evaluation
 
@@ -274,8 +317,9 @@ class MetricsWindow:
     learning rate and the gradient norm. ``close`` is the window's one host-device sync.
     """
 
-    def __init__(self, rt: Runtime, log: RunLog | None) -> None:
+    def __init__(self, rt: Runtime, log: RunLog | None, peaks: WindowPeaks | None = None) -> None:
         self.rt, self.log = rt, log
+        self.peaks = peaks or WindowPeaks(rt.device)
         self.sums, self.start = new_sums(rt.device), time.perf_counter()
         self.last_loss = float("nan")
 
@@ -286,7 +330,7 @@ class MetricsWindow:
         """(global mean loss, global samples/s) of the window; starts the next one."""
         loss, global_count = runtime.global_mean(self.rt, self.sums)
         rate = global_count / max(time.perf_counter() - self.start, 1e-9)
-        peak = runtime.global_max(self.rt, peak_memory_bytes(self.rt.device))
+        peak = runtime.global_max(self.rt, self.peaks.close_window())
         if self.log is not None:
             values = {"train_loss": loss, "samples_per_s": rate, "lr": lr, "peak_mem_bytes": peak}
             if grad_norm is not None:  # equal on every rank: DDP averaged the gradients
@@ -365,6 +409,7 @@ class Trainer:
         self.resumed_from: dict[str, Any] | None = None  # for the summary: where this run continued
         self.checkpoint_warnings: list[str] = []
         self.grad_norm: torch.Tensor | None = None  # of the last step that asked for it
+        self.peaks = WindowPeaks(rt.device)
 
     def eval_loader(self) -> Any:
         assert self.eval_ds is not None
@@ -514,7 +559,7 @@ class Trainer:
     def _loop(self, log: RunLog | None, start: float) -> dict[str, Any]:
         cfg, rt = self.cfg, self.rt
         stream, stops = self.batches(), StopPoll(self.stop)
-        window = MetricsWindow(rt, log)
+        window = MetricsWindow(rt, log, self.peaks)
         eval_loss, eval_counted = float("nan"), 0
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not rt.is_main, dynamic_ncols=True) as bar:
@@ -553,7 +598,7 @@ class Trainer:
                   ) -> dict[str, Any]:
         per_rank = runtime.gather(self.rt, {
             "samples": self.samples_seen, "batches": self.batches_seen,
-            "checksum": param_checksum(self.model.module), "peak": peak_memory_bytes(self.rt.device),
+            "checksum": param_checksum(self.model.module), "peak": self.peaks.run_peak(),
             "node": self.rt.env.hostname})
         summary = {
             "world_size": self.rt.env.world_size, "steps": self.step,
@@ -625,9 +670,10 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
             torch.use_deterministic_algorithms(True)
         with pulse:
             with sampler or contextlib.nullcontext():
-                summary = Trainer(cfg, paths, run, rt, pulse).run()
+                rank_trainer = Trainer(cfg, paths, run, rt, pulse)
+                summary = rank_trainer.run()
             pulse.mark(summary["steps"], "done")
-            record_rank_peak(run, env.rank, report.device_index)
+            record_rank_peak(run, env.rank, report.device_index, floor=rank_trainer.peaks.run_peaks())
             torch.distributed.barrier()  # every node's sampler has stopped and every peak is written
         if rt.is_main:
             summary["memory"] = summarize(run)

@@ -119,3 +119,16 @@ def test_two_local_ranks_take_one_gpu_each(tmp_path: Path) -> None:
     assert len(set(summary["param_checksum_per_rank"])) == 1  # type: ignore[arg-type]
     memory = summary["memory"]
     assert isinstance(memory, dict) and sorted(r["device"] for r in memory["ranks"]) == [0, 1]
+
+
+def test_peak_memory_is_per_window_on_the_gpu(tmp_path: Path) -> None:
+    from orchestrator.telemetry.files import record_rank_peak
+
+    device = torch.device("cuda", 0)
+    peaks = trainer.WindowPeaks(device)
+    peaks.close_window()
+    big = torch.empty(2**30, dtype=torch.uint8, device=device)
+    del big
+    busy, quiet = peaks.close_window(), peaks.close_window()
+    assert busy >= 2**30 > quiet
+    assert record_rank_peak(tmp_path, 0, 0, floor=peaks.run_peaks())["max_allocated_bytes"] >= 2**30

@@ -38,3 +38,23 @@ def test_a_chosen_backend_that_is_not_installed_fails_before_submission(
                                           r"'switchyard\[wandb\]', or logger.wandb=false\)"):
         check_available(LoggerConfig(wandb=True))
     check_available(LoggerConfig(wandb=False))
+
+
+def test_peak_memory_is_per_window_and_the_runs_peak_survives_the_resets(tmp_path: Path) -> None:
+    """CPU: the kernel's peak RSS, reset per window (clear_refs); the GPU twin is in tests/gpu."""
+    import numpy as np
+    import torch
+
+    from orchestrator.telemetry.files import record_rank_peak
+    from orchestrator.training.trainer import WindowPeaks
+
+    peaks = WindowPeaks(torch.device("cpu"))
+    peaks.close_window()
+    big = np.ones(40_000_000)  # 320 MB, touched
+    del big
+    busy = peaks.close_window()
+    quiet = peaks.close_window()
+    assert busy - quiet > 250e6, (busy, quiet)  # the second window did not see the first's peak
+    assert peaks.run_peak() >= busy
+    recorded = record_rank_peak(tmp_path, rank=0, device_index=None, floor=peaks.run_peaks())
+    assert recorded["max_rss_bytes"] >= busy  # the telemetry's peak is the run's, not the window's
