@@ -158,7 +158,10 @@ def _check_dataset(key: str, path: str, cfg: TrainConfig) -> int:
     if y not in ds.schema or ds.schema[y].shape != () or "int" not in ds.schema[y].dtype:
         raise ConfigError(f"data.target_field={y!r} is invalid: it must name an integer scalar "
                           f"field of {path} (fields: {fields})")
-    _check_labels(key, path, ds, cfg)
+    try:
+        _check_labels(key, path, ds, cfg)
+    except DatasetError as e:  # a dataset without a recorded range is scanned: a damaged shard shows
+        raise ConfigError(f"{key}={path!r} cannot be read: {e}") from e
     return trainer.feature_count(ds, x)
 
 

@@ -229,3 +229,22 @@ def test_the_writer_records_the_label_range(tmp_path: Path) -> None:
     entry = next(f for f in json.loads((path / "manifest.json").read_text())["fields"] if f["name"] == "y")
     assert (entry["min_value"], entry["max_value"]) == (3, 7)
     assert open_dataset(path).value_range("y") == (3, 7)
+
+
+def test_a_damaged_shard_met_while_scanning_labels_is_one_error(tmp_path: Path) -> None:
+    """Before: a dataset without a recorded label range is scanned, and a shard whose index points
+    past its data file raised CorruptDatasetError as a traceback from the pre-submission check."""
+    import numpy as np
+
+    path = labelled(tmp_path / "old", [0, 1] * 32, record_range=False)
+    index = path / "shard-00000.idx"
+    data = bytearray(index.read_bytes())
+    header_and_table = index.stat().st_size - 8 * 64 * 3  # x offsets, y offsets, x lengths
+    first_y_offset = header_and_table + 8 * 64
+    data[first_y_offset:first_y_offset + 8] = np.int64(1 << 40).tobytes()
+    index.write_bytes(bytes(data))
+    proc = train(tmp_path, f"data.path={path}", "data.num_classes=2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().startswith(f"error: data.path='{path}' cannot be read: shard 0 ({index}): "
+                                          f"field 'y' of local sample 0 lies outside the ")
+    assert not (tmp_path / "run" / "submitit").exists()
