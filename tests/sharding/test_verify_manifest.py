@@ -52,7 +52,8 @@ def list_shard_0_twice(m: dict[str, Any]) -> None:
      "shard 0: {root}/shard-00000.idx: field 'x': leading sizes 1..5 in this index file, outside the "
      "manifest's min_leading/max_leading 1/4"),
     (lambda m: field("x")(m).update(max_leading=6),
-     "{root}/manifest.json: field 'x': the manifest's min_leading/max_leading 1/6 differ from the index's 1/5"),
+     "{root}/manifest.json: field 'x': the manifest's min_leading/max_leading 1/6 differ from the "
+     "index's 1/5"),
     (lambda m: field("y")(m).update(max_value=1),
      "shard 0: {root}/shard-00000.bin: field 'y': values 0..2 in this data file, outside the manifest's "
      "min_value/max_value 0/1"),
