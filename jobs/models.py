@@ -6,7 +6,8 @@ The contract every model (built-in or a user's ``model._target_``) follows::
     model(x [B, L, F] float, mask [B, L] bool)          # -> logits [B, num_classes]
 
 Padding rows (mask False) must not change the output; both models here pool with a masked mean.
-A model that supports activation checkpointing has ``enable_activation_checkpointing()``.
+A model that supports activation checkpointing has ``enable_activation_checkpointing()``; one that
+``parallelism.strategy=fsdp`` can shard has ``fsdp_units()`` (or the config names its block class).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class _Checkpointable(nn.Module):
 
     def enable_activation_checkpointing(self) -> None:
         self.activation_checkpointing = True
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What ``parallelism.strategy=fsdp`` shards one by one: each block (the embedding and head
+        go with the root)."""
+        return list(self.blocks)
 
     def run_blocks(self, h: Tensor, *extra: Tensor) -> Tensor:
         for block in self.blocks:

@@ -32,7 +32,7 @@ from orchestrator.config import (
 )
 from orchestrator.launch import attach, dist_env, rendezvous, run_lock, slurm_request, submit
 from orchestrator.terminal import printable, refuse_control
-from orchestrator.training import run_log, trainer
+from orchestrator.training import run_log, strategy, trainer
 from sharding import DatasetError, ShardedDataset, open_dataset
 from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 
@@ -89,7 +89,9 @@ def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
         _check_worker_memory(paths, cfg)
     run_log.check_available(cfg.logger)
     with torch.device("meta"):  # builds the model's structure without allocating its weights
-        trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
+        model = trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
+    if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
+        strategy.shard_units(model, cfg.parallelism.fsdp_units)
     if cfg.cluster.mode == "slurm":
         slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
                             request_keys(cfg.parallelism))

@@ -34,6 +34,8 @@ def invalid(key: str, value: object, why: str, fix: str) -> ConfigError:
 
 MODES = ("debug", "local", "slurm")
 BACKENDS = ("auto", "nccl", "gloo")
+STRATEGIES = ("ddp", "fsdp")
+REDUCE_DTYPES = ("fp32", "bf16")
 # Values that end up on an #SBATCH line or an srun command line. SLURM names are words, dots,
 # dashes and the node-list/feature syntax; anything else (a newline, `;`, `$(...)`, a quote) could
 # smuggle a directive or a command into the generated script.
@@ -50,8 +52,27 @@ class ParallelismConfig:
     gpus_per_node: int = 0  # 0: CPU training, procs_per_node ranks per node
     procs_per_node: int = 2  # ranks per node when gpus_per_node == 0
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    # ddp: every rank holds the whole model, optimizer state and gradients (all-reduced).
+    # fsdp: FSDP2 (fully_shard) shards parameters, gradients and optimizer state over the ranks.
+    strategy: str = "ddp"
+    # fsdp: the modules sharded (and all-gathered) one at a time, by class name; empty: the
+    # model's own fsdp_units() (the built-in models shard each block).
+    fsdp_units: list[str] = field(default_factory=list)
+    fsdp_reduce_dtype: str = "fp32"  # fsdp with memory.amp=bf16: dtype of the gradient reduce-scatter
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise invalid("parallelism.strategy", self.strategy, f"choose one of {STRATEGIES}",
+                          "parallelism.strategy=fsdp")
+        if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
+            raise invalid("parallelism.fsdp_reduce_dtype", self.fsdp_reduce_dtype,
+                          f"choose one of {REDUCE_DTYPES}", "parallelism.fsdp_reduce_dtype=fp32")
+        if self.strategy != "fsdp" and (self.fsdp_units or self.fsdp_reduce_dtype != "fp32"):
+            key = "fsdp_units" if self.fsdp_units else "fsdp_reduce_dtype"
+            value = getattr(self, key)
+            raise invalid(f"parallelism.{key}", value, f"it applies to parallelism.strategy=fsdp only, "
+                          f"and parallelism.strategy={self.strategy!r}", "parallelism.strategy=fsdp, "
+                          f"or drop parallelism.{key}")
         if self.nodes < 1:
             raise invalid("parallelism.nodes", self.nodes, "must be >= 1", "parallelism.nodes=1")
         if self.gpus_per_node < 0:
@@ -401,11 +422,16 @@ class TrainConfig:
             raise invalid("parallelism.nodes", parallelism.nodes, "GPUs in cluster=local run on this "
                           "machine, one rank per GPU", f"parallelism.nodes=1 parallelism.gpus_per_node="
                           f"{parallelism.nodes * parallelism.gpus_per_node}")
+        if parallelism.strategy == "fsdp" and self.memory.amp == "fp16":
+            raise invalid("memory.amp", self.memory.amp, "parallelism.strategy=fsdp takes bf16 mixed "
+                          "precision (FSDP2's policy: bf16 parameters, fp32 gradient reduction); fp16 "
+                          "needs a gradient scaler that does not work on sharded gradients",
+                          "memory.amp=bf16, or parallelism.strategy=ddp")
         if self.cluster.mode == "debug" and self.parallelism.world_size > 1:
             # Not an error: debug mode exists to step through one rank.
             gpus = min(self.parallelism.gpus_per_node, 1)
-            self.parallelism = ParallelismConfig(nodes=1, gpus_per_node=gpus, procs_per_node=1,
-                                                 backend=self.parallelism.backend)
+            self.parallelism = dataclasses.replace(self.parallelism, nodes=1, gpus_per_node=gpus,
+                                                   procs_per_node=1)
 
 
 def register_configs() -> None:

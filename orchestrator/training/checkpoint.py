@@ -13,6 +13,7 @@ otherwise put every rank's copy on GPU 0 (the classic "GPU 0 fills up at DDP sta
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -25,7 +26,9 @@ from orchestrator.atomic import atomic_write, write_text
 CHECKSUM_SUFFIX = ".xxh3"
 _READ_CHUNK = 8 << 20
 
-_NAME = re.compile(r"^step-(\d{9})\.pt$")
+# step-N.pt: one file (ddp, rank 0 writes it); step-N.dcp/: a directory of shards (fsdp, every rank
+# writes its own; sharded_checkpoint)
+_NAME = re.compile(r"^step-(\d{9})\.(pt|dcp)$")
 
 
 class CheckpointError(RuntimeError):
@@ -96,7 +99,7 @@ def verify(path: Path) -> bool:
 
 
 def listed(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint, newest first; temp files are not checkpoints."""
+    """(step, path) of every checkpoint of either kind, newest first; temp files are not checkpoints."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
@@ -105,6 +108,9 @@ def listed(directory: Path) -> list[tuple[int, Path]]:
 
 def prune(directory: Path, keep_last: int) -> None:
     for _, path in listed(directory)[keep_last:]:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         path.unlink(missing_ok=True)
         checksum_path(path).unlink(missing_ok=True)
 
@@ -122,6 +128,8 @@ def load_latest(directory: Path) -> Found | None:
     """The newest readable checkpoint (on the CPU); unreadable newer ones are reported, not fatal."""
     skipped = []
     for step, path in listed(directory):
+        if path.is_dir():  # a sharded checkpoint: the trainer refused the mismatch before
+            continue
         try:
             verified = verify(path)
             state = torch.load(path, map_location="cpu", weights_only=False)

@@ -19,7 +19,7 @@ import os
 import random
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -27,7 +27,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 import torch.nn.functional as F
-import xxhash
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -40,7 +39,7 @@ from orchestrator.telemetry.files import record_rank_peak, register_rank
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
-from orchestrator.training import checkpoint, preemption, runtime
+from orchestrator.training import checkpoint, preemption, runtime, sharded_checkpoint, strategy
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
@@ -128,11 +127,7 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
 
 def param_checksum(model: nn.Module) -> str:
     """xxh3 of every parameter's bytes in name order: equal across ranks iff weights are equal."""
-    h = xxhash.xxh3_64()
-    for name, p in sorted(model.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return strategy.checksum(model.named_parameters())
 
 
 def feature_count(ds: ShardedDataset, field: str) -> int:
@@ -224,7 +219,8 @@ def batch_logits(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch
         else mask.to(device, non_blocking=True)
     y = batch[target].to(device, non_blocking=True)
     real = (~batch["is_pad"].to(device, non_blocking=True))
-    with autocast(device, cfg.memory.amp):
+    # fsdp: its mixed-precision policy casts parameters and inputs; autocast would cast again
+    with autocast(device, cfg.memory.amp if cfg.parallelism.strategy == "ddp" else "none"):
         logits = model(x, mask)
     return logits.float(), y, real
 
@@ -239,9 +235,14 @@ def add_to_sums(sums: torch.Tensor, total: torch.Tensor, count: torch.Tensor) ->
     sums[1] += count
 
 
-def backward_micro_batches(model: DistributedDataParallel, batches: list[Batch], cfg: TrainConfig,
-                           device: torch.device, scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """Accumulate gradients over micro-batches; DDP all-reduces only on the last (``no_sync``).
+GradSync = Callable[[bool], contextlib.AbstractContextManager[Any]]
+
+
+def backward_micro_batches(model: nn.Module, batches: list[Batch], cfg: TrainConfig,
+                           device: torch.device, scaler: torch.amp.GradScaler,
+                           grad_sync: GradSync | None = None) -> torch.Tensor:
+    """Accumulate gradients over micro-batches, reducing them only on the last: ``grad_sync(False)``
+    around the others (the strategy's; DDP's ``no_sync`` by default).
 
     Returns [loss sum, real-sample count] on ``device``.
     """
@@ -249,7 +250,9 @@ def backward_micro_batches(model: DistributedDataParallel, batches: list[Batch],
     sums = new_sums(device)
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1
-        with contextlib.nullcontext() if sync else model.no_sync():
+        context = grad_sync(sync) if grad_sync is not None else \
+            contextlib.nullcontext() if sync else cast(DistributedDataParallel, model).no_sync()
+        with context:
             loss, batch_total, batch_count = batch_loss(model, batch, cfg, device, denominator)
             scaler.scale(loss).backward()
         add_to_sums(sums, batch_total, batch_count)
@@ -291,12 +294,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def compatibility(cfg: TrainConfig, in_features: int, num_classes: int) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it (shapes, not step counts)."""
     return {"model": model_spec(cfg.model), "in_features": in_features, "num_classes": num_classes,
-            "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16"}
+            "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16",
+            "strategy": cfg.parallelism.strategy}
+
+
+# What a checkpoint written before a key existed had: a Switchyard without fsdp wrote ddp's.
+_COMPAT_BEFORE = {"strategy": "ddp"}
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    changed = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
-               for k, v in current.items() if saved.get(k) != v]
+    changed = [f"{k}: checkpoint {saved.get(k, _COMPAT_BEFORE.get(k))!r}, now {v!r}"
+               for k, v in current.items() if saved.get(k, _COMPAT_BEFORE.get(k)) != v]
     if changed:
         raise checkpoint.CheckpointError(
             f"cannot resume from {path}: the config changed in ways the checkpoint cannot follow:\n  "
@@ -388,10 +396,10 @@ class Trainer:
         num_classes = output_classes(cfg.data)
         runtime.seed_everything(cfg.seed, rt.env.rank)
         features = feature_count(self.train_ds, cfg.data.input_field)
-        self.model: DistributedDataParallel = runtime.wrap(
-            build_model(cfg.model, features, num_classes, cfg.memory), rt)
-        runtime.settle_buckets(self.model, torch.zeros(1, 1, features, device=rt.device),
-                               torch.ones(1, 1, dtype=torch.bool, device=rt.device))
+        self.strategy = strategy.for_run(rt, cfg.parallelism, cfg.memory)
+        self.model = self.strategy.wrap(build_model(cfg.model, features, num_classes, cfg.memory))
+        self.strategy.settle(self.model, torch.zeros(1, 1, features, device=rt.device),
+                             torch.ones(1, 1, dtype=torch.bool, device=rt.device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.memory.amp == "fp16")
@@ -410,6 +418,7 @@ class Trainer:
         self.checkpoint_warnings: list[str] = []
         self.grad_norm: torch.Tensor | None = None  # of the last step that asked for it
         self.peaks = WindowPeaks(rt.device)
+        self.saved_step = -1  # the step of the newest checkpoint this run wrote or loaded
 
     def eval_loader(self) -> Any:
         assert self.eval_ds is not None
@@ -444,17 +453,19 @@ class Trainer:
         self.mark("data")
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
         self.mark("compute")
-        sums = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler)
+        sums = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler,
+                                      lambda sync: self.strategy.grad_sync(self.model, sync))
         self.batches_seen += len(batches)
         self.sampler.advance(sum(len(b["index"]) for b in batches))
         if self.cfg.optim.clip_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
+            # fsdp: the norm over every rank's shard (torch reduces it before scaling the shards)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
-            self.grad_norm = norm.detach() if want_norm else None
+            self.grad_norm = self.strategy.global_norm(norm.detach()) if want_norm else None
         elif want_norm:  # a few kernels on a log step; the value stays on the device until logged
             self.scaler.unscale_(self.optimizer)
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            self.grad_norm = torch.nn.utils.get_total_norm(grads).detach()
+            self.grad_norm = self.strategy.global_norm(torch.nn.utils.get_total_norm(grads).detach())
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -464,31 +475,43 @@ class Trainer:
         return sums
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes (atomically) while the others wait; RNG states come from every rank."""
+        """ddp: rank 0 writes one file (atomically) while the others wait; fsdp: every rank writes
+        its shards. RNG states come from every rank. A step already saved is not written again."""
+        if self.saved_step == self.step:
+            return
         self.mark("checkpoint")
         per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
                                             "batches": self.batches_seen})
-        if self.rt.is_main:
-            state = {"step": self.step, "model": self.model.module.state_dict(),
-                     "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
-                     "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
-                     "per_rank": per_rank, "compat": self.compat,
-                     "world_size": self.rt.env.world_size}
+        state = {"step": self.step, "schedule": self.schedule.state_dict(),
+                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
+                 "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size}
+        if self.strategy.is_sharded:
+            sharded_checkpoint.save(self.checkpoint_dir, self.step, self.model, self.optimizer, state)
+            if self.rt.is_main:
+                checkpoint.prune(self.checkpoint_dir, self.cfg.checkpoint.keep_last)
+        elif self.rt.is_main:
+            state.update(model=self.strategy.module(self.model).state_dict(),
+                         optimizer=self.optimizer.state_dict())
             checkpoint.save(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
         torch.distributed.barrier()  # no rank runs ahead of a checkpoint being written
+        self.saved_step = self.step
 
     def restore(self) -> None:
         """Continue from the newest readable checkpoint of this run, if there is one.
 
-        Rank 0 chooses (an unreadable newest checkpoint is reported and the previous one used) and
-        tells the others, so every rank loads the same file.
+        An unreadable newest checkpoint is reported and the previous one used; every rank loads the
+        same one. ddp: rank 0 chooses and tells the others. fsdp: every rank checks its share of
+        the files and they agree (``sharded_checkpoint.choose``).
         """
-        found = checkpoint.load_latest(self.checkpoint_dir) if self.rt.is_main else None
-        chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
-        if chosen is None:
+        listed = runtime.broadcast(self.rt, [str(p) for _, p in checkpoint.listed(self.checkpoint_dir)]
+                                   if self.rt.is_main else None)
+        if not listed:
             return
+        self.check_kind(Path(listed[0]))
+        found = self.find_sharded([Path(p) for p in listed]) if self.strategy.is_sharded \
+            else self.find_single()
         if found is None:
-            found = checkpoint.load_path(Path(chosen))
+            return
         self.checkpoint_warnings = [f"skipped unreadable checkpoint {note}" for note in found.skipped]
         if not found.verified:
             self.checkpoint_warnings.append(f"{found.path.name} has no checksum (written by an older "
@@ -497,8 +520,11 @@ class Trainer:
             print(f"warning: {warning}", flush=True)
         state = found.state
         check_compatible(state["compat"], self.compat, found.path)
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.strategy.is_sharded:
+            sharded_checkpoint.load(found.path, self.model, self.optimizer)
+        else:
+            self.strategy.module(self.model).load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -509,8 +535,32 @@ class Trainer:
             self.real_samples.fill_(int(mine["samples"]))
             self.batches_seen = int(mine["batches"])
         self.resumed_from = {"path": str(found.path), "step": self.step}
+        self.saved_step = self.step
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)
+
+    def check_kind(self, newest: Path) -> None:
+        """The newest checkpoint was written by this strategy: not silently skipped or misread."""
+        written = "fsdp" if sharded_checkpoint.is_sharded(newest) else "ddp"
+        if written != self.strategy.name:
+            raise checkpoint.CheckpointError(
+                f"cannot resume from {newest}: it was written with parallelism.strategy={written} and "
+                f"this run has parallelism.strategy={self.strategy.name} (resume with "
+                f"parallelism.strategy={written}, or use a new run directory or checkpoint.dir)")
+
+    def find_single(self) -> checkpoint.Found | None:
+        found = checkpoint.load_latest(self.checkpoint_dir) if self.rt.is_main else None
+        chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
+        if chosen is None:
+            return None
+        return found or checkpoint.load_path(Path(chosen))
+
+    def find_sharded(self, listed: list[Path]) -> checkpoint.Found | None:
+        path, skipped = sharded_checkpoint.choose([p for p in listed if sharded_checkpoint.is_sharded(p)])
+        if path is None:
+            return None
+        state = sharded_checkpoint.train_state(path)
+        return checkpoint.Found(path=path, step=int(state["step"]), state=state, skipped=tuple(skipped))
 
     def stop_for(self, reason: preemption.StopReason) -> None:
         """Checkpoint, then requeue (time limit) or leave it to SLURM (preemption), then exit."""
@@ -598,7 +648,7 @@ class Trainer:
                   ) -> dict[str, Any]:
         per_rank = runtime.gather(self.rt, {
             "samples": self.samples_seen, "batches": self.batches_seen,
-            "checksum": param_checksum(self.model.module), "peak": self.peaks.run_peak(),
+            "checksum": self.strategy.param_checksum(self.model), "peak": self.peaks.run_peak(),
             "node": self.rt.env.hostname})
         summary = {
             "world_size": self.rt.env.world_size, "steps": self.step,

@@ -1,0 +1,167 @@
+"""fsdp checkpoints: every rank writes its own shards (``torch.distributed.checkpoint``); no rank
+ever gathers the whole model or optimizer state.
+
+A checkpoint is a directory ``step-N.dcp/``::
+
+    .metadata        DCP's index of every tensor's shards (rank 0 writes it)
+    __R_0.distcp     rank R's shards of the model and optimizer state
+    train_state.pt   step, schedule, scaler, sampler, per-rank RNG states, compat (rank 0)
+    checksums.json   xxh3 of each file above, written last
+
+The rules of single-file checkpoints (``checkpoint``) hold: the directory is written as
+``.step-N.dcp.partial`` and renamed only once every rank's files are on disk, fsynced and
+checksummed, so a killed save leaves no ``step-N.dcp`` at all; ``keep_last`` prunes both kinds.
+Loading verifies every file against ``checksums.json`` first, the files spread over the ranks
+(rank r hashes every world-th file), and every rank agrees on the outcome: a checkpoint with a
+truncated or changed shard is skipped, with its reason, and the previous one is used.
+
+DCP reshards on load, so a checkpoint written by 4 ranks loads on 2 (or 8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from orchestrator.atomic import fsync_dir, write_json
+from orchestrator.training.checkpoint import CheckpointError, file_checksum
+
+SUFFIX = ".dcp"
+CHECKSUMS = "checksums.json"
+TRAIN_STATE = "train_state.pt"
+
+
+def is_sharded(path: Path) -> bool:
+    return path.name.endswith(SUFFIX)
+
+
+def path_for(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:09d}{SUFFIX}"
+
+
+def _partial(final: Path) -> Path:
+    return final.with_name(f".{final.name}.partial")
+
+
+def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards, keyed by parameter name (DCP matches them by name and offset)."""
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def save(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         train_state: dict[str, Any]) -> Path:
+    """Every rank calls this (collective). Rank 0 publishes the directory once it is complete."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = path_for(directory, step)
+    partial = _partial(final)
+    if rank == 0:  # a save killed earlier left its partial directory: nobody else writes here
+        for stale in directory.glob(f".step-*{SUFFIX}.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_tensors(model, optimizer), storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    if rank == 0:
+        with open(partial / TRAIN_STATE, "wb") as f:
+            torch.save(train_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    dist.barrier()
+    names = sorted(p.name for p in partial.iterdir())
+    mine = {name: file_checksum(partial / name) for i, name in enumerate(names) if i % world == rank}
+    everyone = _gather(mine)  # each rank hashes its share, read back from the page cache
+    if rank == 0:
+        write_json(partial / CHECKSUMS, {k: v for part in everyone for k, v in sorted(part.items())},
+                   indent=1)
+        _publish(partial, final)
+    dist.barrier()
+    return final
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """``partial`` becomes ``final``; an older ``final`` of the same step is replaced only after."""
+    fsync_dir(partial)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _problems(path: Path, rank: int, world: int) -> list[str]:
+    """What is wrong with this rank's share of ``path``'s files (empty: nothing)."""
+    try:
+        expected: dict[str, str] = json.loads((path / CHECKSUMS).read_text())
+    except (OSError, ValueError) as e:
+        return [f"no readable {CHECKSUMS} ({type(e).__name__}): not a complete checkpoint"]
+    problems = []
+    for i, (name, digest) in enumerate(sorted(expected.items())):
+        if i % world != rank:
+            continue
+        try:
+            actual = file_checksum(path / name)
+        except OSError as e:
+            problems.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if actual != digest:
+            problems.append(f"{name}: checksum mismatch (xxh3 {actual}, written as {digest}): the file "
+                            f"changed after it was saved")
+    return problems
+
+
+def choose(candidates: list[Path]) -> tuple[Path | None, list[str]]:
+    """The newest of ``candidates`` (newest first, the same list on every rank) whose every file is
+    intact, and why newer ones were skipped. Collective; every rank gets the same answer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    skipped: list[str] = []
+    for path in candidates:
+        problems = [p for part in _gather(_problems(path, rank, world)) for p in part]
+        if not problems:
+            return path, skipped
+        skipped.append(f"{path.name}: {problems[0][:300]}")
+    if skipped:
+        raise CheckpointError(f"no readable checkpoint in {candidates[0].parent}: " + "; ".join(skipped))
+    return None, skipped
+
+
+def train_state(path: Path) -> dict[str, Any]:
+    """Everything but the tensors (on the CPU): read by every rank."""
+    try:
+        state = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path / TRAIN_STATE}: {e}") from e
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{path / TRAIN_STATE} is not a Switchyard checkpoint")
+    return state
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank reads the pieces of its own shards, whatever world size wrote them."""
+    state = _tensors(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # every rank fails alike: the files passed their checksums
+        raise CheckpointError(f"cannot load {path} into this model: {e}") from e
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -1,0 +1,160 @@
+"""How one model is spread over the ranks: ``ddp`` or ``fsdp`` (``parallelism.strategy``).
+
+- ``ddp``: every rank holds the whole model, its gradients and its optimizer state; gradients are
+  all-reduced after backward. With AdamW in fp32 that is 16 bytes per parameter on every GPU.
+- ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``). Parameters are DTensors sharded along
+  dim 0 over the ranks; each *unit* (a block) is all-gathered just before its forward and backward
+  and freed after, and gradients are reduce-scattered, so each rank keeps 1/world of the parameters,
+  gradients and optimizer state, plus one unit's full parameters while it runs.
+
+Everything the trainer does differently per strategy is a method here, so the loop reads the same:
+``wrap``, ``module`` (the user's model), ``grad_sync`` (skip the reduction on all micro-batches but
+the last), ``global_norm`` and ``param_checksum``. Under fsdp the trainer does not autocast:
+the mixed-precision policy (``mixed_precision``) casts parameters and inputs. Checkpoints differ
+too: ddp's rank 0 writes one file (``checkpoint``), fsdp's ranks each write their shards
+(``sharded_checkpoint``); ``is_sharded`` picks.
+
+On a GPU the mesh is the rank's CUDA device, so all-gathers and reduce-scatters run over NCCL; the
+model may be built on the CPU: ``fully_shard`` moves each unit to the device as it shards it, so a
+GPU never holds more than one unit's full parameters (the host holds the model once per rank while
+it is built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import xxhash
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from orchestrator.config import ConfigError, MemoryConfig, ParallelismConfig
+from orchestrator.training import runtime
+from orchestrator.training.runtime import Runtime
+
+
+def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The modules fsdp shards one by one, innermost first (nested units before their parents).
+
+    ``class_names`` (``parallelism.fsdp_units``): every module of one of these classes (plain or
+    dotted name); empty: the model's own ``fsdp_units()``. Raises ConfigError, naming the model and
+    the fix, when that gives nothing to shard: the whole model would be all-gathered at once, so
+    every GPU would hold all its parameters, which is ddp's memory with more traffic.
+    """
+    name = f"{type(model).__module__}.{type(model).__qualname__}"
+    if class_names:
+        wanted = set(class_names)
+        units = [m for m in model.modules() if m is not model and
+                 (type(m).__name__ in wanted or f"{type(m).__module__}.{type(m).__qualname__}" in wanted)]
+        if not units:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"parallelism.fsdp_units={class_names} is invalid: model {name} has no "
+                              f"module of these classes (its classes: {', '.join(classes)}; try "
+                              f"parallelism.fsdp_units=[<the class of one block>])")
+    elif callable(getattr(model, "fsdp_units", None)):
+        units = list(model.fsdp_units())  # type: ignore[operator]  # checked callable above
+    else:
+        raise ConfigError(f"parallelism.strategy='fsdp' has nothing to shard in model {name}: give it "
+                          f"an fsdp_units() method returning its blocks, or name their class (try "
+                          f"parallelism.fsdp_units=[Block], or parallelism.strategy=ddp)")
+    if not any(p.numel() for unit in units for p in unit.parameters()):
+        raise ConfigError(f"parallelism.strategy='fsdp' has nothing to shard in model {name}: its "
+                          f"units hold no parameters (try parallelism.strategy=ddp)")
+    order = {id(m): depth for depth, m in enumerate(model.modules())}
+    return sorted(units, key=lambda m: -order[id(m)])  # children come after parents in modules()
+
+
+def mixed_precision(memory: MemoryConfig, parallelism: ParallelismConfig) -> MixedPrecisionPolicy:
+    """``memory.amp=bf16``: bf16 parameters in forward and backward (the sharded master copy stays
+    fp32), gradients reduced in ``parallelism.fsdp_reduce_dtype`` (fp32 unless set otherwise)."""
+    reduce = torch.bfloat16 if parallelism.fsdp_reduce_dtype == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if memory.amp == "bf16" else None,
+                                reduce_dtype=reduce)
+
+
+class Ddp:
+    is_sharded = False
+    name = "ddp"
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return runtime.wrap(model, self.rt)
+
+    def module(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def settle(self, model: nn.Module, *example: torch.Tensor) -> None:
+        assert isinstance(model, nn.parallel.DistributedDataParallel)
+        runtime.settle_buckets(model, *example)
+
+    def grad_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        assert isinstance(model, nn.parallel.DistributedDataParallel)
+        return contextlib.nullcontext() if sync else model.no_sync()
+
+    def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm  # DDP's gradients are already the same on every rank
+
+    def param_checksum(self, model: nn.Module) -> str:
+        return checksum(self.module(model).named_parameters())
+
+
+class Fsdp(Ddp):
+    is_sharded = True
+    name = "fsdp"
+
+    def __init__(self, rt: Runtime, parallelism: ParallelismConfig, memory: MemoryConfig) -> None:
+        super().__init__(rt)
+        self.unit_classes, self.policy = list(parallelism.fsdp_units), mixed_precision(memory, parallelism)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, nn.DataParallel):
+            model = model.module
+        mesh = init_device_mesh(self.rt.device.type, (self.rt.env.world_size,))
+        for unit in shard_units(model, self.unit_classes):
+            fully_shard(unit, mesh=mesh, mp_policy=self.policy)
+        fully_shard(model, mesh=mesh, mp_policy=self.policy)  # the root: what no unit holds
+        return model
+
+    def module(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def settle(self, model: nn.Module, *example: torch.Tensor) -> None:
+        pass  # no buckets: each unit reduce-scatters its own gradients in a fixed order
+
+    def grad_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        assert isinstance(model, FSDPModule)
+        model.set_requires_gradient_sync(sync)  # every unit: accumulate unsharded, reduce at the last
+        return contextlib.nullcontext()
+
+    def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The norm over every rank's shard (a collective: every rank calls it, on the device)."""
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def param_checksum(self, model: nn.Module) -> str:
+        """The same bytes as ddp's checksum of the same weights: each parameter is gathered whole
+        (one at a time, a collective every rank runs in the same order)."""
+        return checksum((name, p.full_tensor() if isinstance(p, DTensor) else p)
+                        for name, p in sorted(model.named_parameters()))
+
+
+Strategy = Ddp | Fsdp
+
+
+def for_run(rt: Runtime, parallelism: ParallelismConfig, memory: MemoryConfig) -> Strategy:
+    return Fsdp(rt, parallelism, memory) if parallelism.strategy == "fsdp" else Ddp(rt)
+
+
+def checksum(named: Iterator[tuple[str, torch.Tensor]] | Any) -> str:
+    """xxh3 of every parameter's bytes in name order: equal across ranks iff weights are equal."""
+    h = xxhash.xxh3_64()
+    for name, p in sorted(named, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
