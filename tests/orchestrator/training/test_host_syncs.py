@@ -27,6 +27,7 @@ from orchestrator.config import (
     MemoryConfig,
     MlpConfig,
     OptimConfig,
+    ParallelismConfig,
     TelemetryConfig,
     TrainConfig,
 )
@@ -62,10 +63,12 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
                               max_rows=8)
 
 
-@pytest.mark.parametrize("amp", ["none", "bf16"])
+@pytest.mark.parametrize(("amp", "strategy"), [("none", "ddp"), ("bf16", "ddp"), ("none", "fsdp"),
+                                               ("bf16", "fsdp")])
 def test_a_step_that_does_not_log_reads_nothing_on_the_host(rank: runtime.Runtime, dataset: str,
-                                                           tmp_path: Path, amp: str) -> None:
+                                                           tmp_path: Path, amp: str, strategy: str) -> None:
     cfg = TrainConfig(model=MlpConfig(), data=DataConfig(path=dataset, num_classes=3, batch_size=8),
+                      parallelism=ParallelismConfig(strategy=strategy),
                       optim=OptimConfig(name="sgd", grad_accum_steps=2, clip_grad_norm=1.0, max_steps=10),
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
     run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, rank)
