@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,12 +34,12 @@ def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[st
     return proc
 
 
-def metrics(tmp_path: Path) -> list[dict]:  # type: ignore[type-arg]
+def metrics(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
             if "train_loss" in line]
 
 
-def summary(tmp_path: Path) -> dict:  # type: ignore[type-arg]
+def summary(tmp_path: Path) -> dict[str, Any]:
     return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,8 +71,8 @@ def test_amp_bf16_is_fsdps_policy_bf16_parameters_fp32_reduction_unless_set() ->
      r"memory.amp='fp16' is invalid: parallelism.strategy=fsdp takes bf16 .*\(try memory.amp=bf16, or "
      r"parallelism.strategy=ddp\)"),
 ])
-def test_a_strategy_with_an_option_it_cannot_support_is_refused_naming_both(kwargs: dict, message: str
-                                                                            ) -> None:  # type: ignore[type-arg]
+def test_a_strategy_with_an_option_it_cannot_support_is_refused_naming_both(
+        kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TrainConfig(model=MlpConfig(), **kwargs)
 
@@ -83,7 +84,7 @@ def test_a_strategy_with_an_option_it_cannot_support_is_refused_naming_both(kwar
     ({"fsdp_reduce_dtype": "bf16"}, r"parallelism.fsdp_reduce_dtype='bf16' is invalid: it applies"),
     ({"strategy": "fsdp", "fsdp_reduce_dtype": "fp8"}, r"choose one of \('fp32', 'bf16'\)"),
 ])
-def test_bad_strategy_values_are_refused(kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+def test_bad_strategy_values_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ParallelismConfig(**kwargs)
 
