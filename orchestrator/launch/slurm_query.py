@@ -1,32 +1,90 @@
-"""Read job states from SLURM in one batched call: ``sacct`` first, ``squeue`` when accounting is off.
+"""Read job states and cluster limits from SLURM: ``sacct`` first, ``squeue`` when accounting is off.
 
-Batched on purpose: one process per poll, whatever the number of jobs (submitit polls sacct the
-same way; the sweep registry reconciles hundreds of array tasks through here).
+Batched on purpose: one process per poll for up to a few thousand arrays (submitit polls sacct the
+same way; the sweep registry reconciles hundreds of array tasks through here). Longer id lists go
+in chunks: one argument may hold at most 128 KiB on Linux (MAX_ARG_STRLEN), and past that sacct
+would not even start. A chunk neither command answered is reported, never dropped in silence.
 """
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
                              "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+# One `-j` argument's length: a quarter of the kernel's 128 KiB per-argument limit, about 4,000
+# array ids; also keeps each sacct query small for slurmdbd.
+MAX_ID_LIST_CHARS = 32 * 1024
+# SLURM's own defaults, used when `scontrol show config` does not list a value.
+DEFAULT_MAX_ARRAY_SIZE = 1001
+DEFAULT_MAX_JOB_COUNT = 10000
 
 
 class SlurmQueryError(RuntimeError):
-    """Neither sacct nor squeue answered."""
+    """SLURM did not answer (neither sacct nor squeue, or scontrol)."""
+
+
+@dataclass(frozen=True)
+class StatesReply:
+    """What SLURM said about a list of ids, chunk by chunk."""
+
+    states: dict[str, str]  # {job id: STATE}; ids SLURM does not know are left out
+    answered: frozenset[str]  # the asked ids whose chunk got an answer (known or not)
+    errors: tuple[str, ...]  # one line per chunk that got none
+
+
+def id_chunks(ids: Sequence[str], max_chars: int = MAX_ID_LIST_CHARS) -> list[list[str]]:
+    """Consecutive runs of ``ids`` whose comma-separated list is at most ``max_chars`` long
+    (an id longer than that on its own still gets a chunk: SLURM ids are a few characters)."""
+    chunks: list[list[str]] = []
+    size = 0
+    for job_id in ids:
+        if chunks and size + 1 + len(job_id) <= max_chars:
+            chunks[-1].append(job_id)
+            size += 1 + len(job_id)
+        else:
+            chunks.append([job_id])
+            size = len(job_id)
+    return chunks
+
+
+def query_states(job_ids: Iterable[str], timeout_s: float = 30) -> StatesReply:
+    """``{job_id: STATE}`` for the given ids (array tasks as ``ARRAY_TASK``), asked in chunks; a
+    chunk sacct cannot answer goes to squeue; one neither answers is listed in ``errors``."""
+    states: dict[str, str] = {}
+    answered: set[str] = set()
+    errors: list[str] = []
+    for chunk in id_chunks(sorted(set(job_ids))):
+        try:
+            states.update(_from_sacct(chunk, timeout_s))
+        except (subprocess.SubprocessError, OSError) as sacct_error:
+            try:
+                states.update(_from_squeue(chunk, timeout_s))
+            except SlurmQueryError as e:
+                what = chunk[0] if len(chunk) == 1 else f"{len(chunk)} jobs {chunk[0]}..{chunk[-1]}"
+                errors.append(f"no state for {what}: sacct: {_reason(sacct_error)}; squeue: {e}")
+                continue
+        answered.update(chunk)
+    return StatesReply(states, frozenset(answered), tuple(errors))
 
 
 def job_states(job_ids: Iterable[str], timeout_s: float = 30) -> dict[str, str]:
-    """``{job_id: STATE}`` for the given ids (array tasks as ``ARRAY_TASK``); unknown ids are left out."""
-    ids = sorted(set(job_ids))
-    if not ids:
-        return {}
-    try:
-        return _from_sacct(ids, timeout_s)
-    except (subprocess.SubprocessError, OSError):
-        return _from_squeue(ids, timeout_s)
+    """``{job_id: STATE}`` for the given ids; raises SlurmQueryError when a part went unanswered."""
+    reply = query_states(job_ids, timeout_s)
+    if reply.errors:
+        raise SlurmQueryError("; ".join(reply.errors))
+    return reply.states
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, subprocess.CalledProcessError):
+        said = (error.stderr or error.stdout or "").strip().splitlines()
+        return f"exit status {error.returncode}" + (f": {said[-1]}" if said else "")
+    return str(error)
 
 
 def _from_sacct(ids: list[str], timeout_s: float) -> dict[str, str]:
@@ -45,7 +103,11 @@ def _from_squeue(ids: list[str], timeout_s: float) -> dict[str, str]:
         proc = subprocess.run(["squeue", "-h", "-o", "%i|%T", "-j", ",".join(ids)],
                               capture_output=True, text=True, timeout=timeout_s, check=False)
     except (subprocess.SubprocessError, OSError) as e:
-        raise SlurmQueryError(f"neither sacct nor squeue answered: {e}") from e
+        raise SlurmQueryError(str(e)) from e
+    # squeue exits 1 when none of the ids is in the queue any more: an answer, not a failure.
+    if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
+        said = proc.stderr.strip().splitlines()
+        raise SlurmQueryError(f"exit status {proc.returncode}" + (f": {said[-1]}" if said else ""))
     return {job_id: state for job_id, _, state in
             (line.partition("|") for line in proc.stdout.splitlines()) if job_id}
 
@@ -60,3 +122,50 @@ def wait_for_terminal_states(job_ids: Iterable[str], timeout_s: float = 60,
         if all(states.get(i) in TERMINAL_STATES for i in ids) or time.monotonic() > deadline:
             return states
         time.sleep(poll_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Limits: how large a sweep the controller takes
+
+
+@dataclass(frozen=True)
+class ClusterLimits:
+    """From ``scontrol show config``."""
+
+    max_array_size: int  # array indices run 0..MaxArraySize-1; 0: job arrays are disabled
+    max_job_count: int  # jobs slurmctld holds at once; every task of an array counts as one
+
+
+def parse_limits(config_text: str) -> ClusterLimits:
+    """``MaxArraySize`` and ``MaxJobCount`` from ``scontrol show config``'s ``Key = value`` lines."""
+    values = {key.strip(): value.strip() for key, _, value in
+              (line.partition("=") for line in config_text.splitlines())}
+
+    def number(key: str, default: int) -> int:
+        text = values.get(key, "").split()
+        return int(text[0]) if text and text[0].isdigit() else default
+
+    return ClusterLimits(number("MaxArraySize", DEFAULT_MAX_ARRAY_SIZE),
+                         number("MaxJobCount", DEFAULT_MAX_JOB_COUNT))
+
+
+@functools.cache
+def cluster_limits() -> ClusterLimits:
+    """The controller's limits, asked once per process (they change only when slurmctld restarts)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        raise SlurmQueryError(f"scontrol show config: {_reason(e)}") from e
+    return parse_limits(out)
+
+
+def jobs_in_controller() -> int:
+    """How many jobs slurmctld holds now, each array task counted (what MaxJobCount limits):
+    pending, running, and ended ones it has not purged yet (MinJobAge)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        raise SlurmQueryError(f"squeue: {_reason(e)}") from e
+    return sum(1 for line in out.splitlines() if line.strip())
