@@ -682,8 +682,10 @@ def _settle(registry: Registry, sweep_id: int, timeout_s: float = 30.0) -> None:
     """After a blocking wait: give sacct a moment to record the ends, so the registry is final."""
     deadline = time.monotonic() + timeout_s
     while True:
-        reconcile(registry, [sweep_id])
+        reconciled = reconcile(registry, [sweep_id])
         if not registry.unsettled([sweep_id]) or time.monotonic() > deadline:
+            for warning in reconciled.warnings:
+                log.warning(f"Switchyard: {warning}")
             return
         time.sleep(0.5)
 

@@ -37,7 +37,7 @@ from orchestrator import atomic
 REGISTRY_ENV = "SWITCHYARD_REGISTRY"
 DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
 BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the results table (a version-1 file gets it when first opened)
 
 # Attempt states: SLURM's own names, plus the two before SLURM knows the job.
 SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
@@ -94,6 +94,14 @@ CREATE TABLE IF NOT EXISTS attempts (
     FOREIGN KEY (sweep_id, num) REFERENCES jobs(sweep_id, num)
 );
 CREATE INDEX IF NOT EXISTS attempts_by_state ON attempts(state);
+CREATE TABLE IF NOT EXISTS results (
+    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
+    step        INTEGER,            -- the last training line of metrics.jsonl
+    loss        REAL,
+    peak_bytes  INTEGER,            -- the memory section's highest peak (GPU used, else rank RSS)
+    flags       TEXT NOT NULL,      -- JSON list: the memory section's flags
+    memory      TEXT                -- JSON: summary.json's memory section, or the telemetry summarised
+);
 """
 
 
@@ -206,6 +214,24 @@ class Observation:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Result:
+    """What an ended attempt left in its run directory, read once and kept in the registry (the
+    files of an ended attempt do not change; telemetry without a summary.json costs about 1 ms
+    per minute sampled to summarise, on every `status`, forever, if it were not kept)."""
+
+    step: int | None  # the last training line of metrics.jsonl
+    loss: float | None
+    peak_bytes: int | None  # what the PEAK MEM column shows
+    flags: list[str]  # the memory section's warnings
+    memory_json: str | None  # the whole section, decoded only where it is shown whole
+
+    @property
+    def memory(self) -> dict[str, Any] | None:
+        value = json.loads(self.memory_json) if self.memory_json else None
+        return value if isinstance(value, dict) else None
+
+
 @contextlib.contextmanager
 def damage_reported(path: Path) -> Iterator[None]:
     """A damaged page met by any query inside: ``damaged``'s one line instead of SQLite's raw error."""
@@ -306,7 +332,7 @@ class Registry:
         resubmit each job once (the second sees the first one's SUBMITTING attempt).
         """
         with self._write() as db:
-            latest = db.execute(_LATEST_ATTEMPTS + " WHERE a.sweep_id = ?", (sweep_id,)).fetchall()
+            latest = db.execute(_LATEST_ATTEMPTS, (sweep_id,)).fetchall()
             return {row["num"]: self._insert_attempt(db, sweep_id, row["num"])
                     for row in latest if row["state"] in states}
 
@@ -357,6 +383,7 @@ class Registry:
                            "started_at = :started_at, ended_at = :ended_at, exit_code = :exit_code, "
                            "node = :node, error = :error, updated_at = :updated_at WHERE id = :id",
                            merged)
+                db.execute("DELETE FROM results WHERE attempt_id = ?", (o.attempt_id,))  # a new end
                 changed += 1
         return changed
 
@@ -392,37 +419,76 @@ class Registry:
         return [Attempt(**dict(r)) for r in self._db.execute(query + " ORDER BY num, attempt", args)]
 
     def latest_attempts(self, sweep_id: int) -> dict[int, Attempt]:
-        rows = self._db.execute(_LATEST_ATTEMPTS + " WHERE a.sweep_id = ?", (sweep_id,))
+        rows = self._db.execute(_LATEST_ATTEMPTS, (sweep_id,))
         return {r["num"]: Attempt(**dict(r)) for r in rows}
+
+    def count_jobs(self, sweep_id: int) -> int:
+        row = self._db.execute("SELECT COUNT(*) FROM jobs WHERE sweep_id = ?", (sweep_id,)).fetchone()
+        return int(row[0])
+
+    def results(self, sweep_id: int, num: int | None = None) -> dict[int, Result]:
+        """The kept results of this sweep's attempts (or one job's): ``{attempt id: Result}``."""
+        query, args = ("SELECT r.* FROM results r JOIN attempts a ON a.id = r.attempt_id "
+                       "WHERE a.sweep_id = ?"), [sweep_id]
+        if num is not None:
+            query, args = query + " AND a.num = ?", [*args, num]
+        return {r["attempt_id"]: Result(r["step"], r["loss"], r["peak_bytes"], json.loads(r["flags"]),
+                                        r["memory"]) for r in self._db.execute(query, args)}
+
+    def keep_results(self, results: Iterable[tuple[Attempt, Result]]) -> None:
+        """Keep what ended attempts left, each only if its attempt is still as it was read (an
+        attempt that changed since, a requeue, would otherwise get its previous life's result)."""
+        with self._write() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO results (attempt_id, step, loss, peak_bytes, flags, memory) "
+                "SELECT ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM attempts WHERE id = ? AND "
+                "state = ? AND updated_at = ?)",
+                [(a.id, r.step, r.loss, r.peak_bytes, json.dumps(r.flags), r.memory_json, a.id, a.state,
+                  a.updated_at) for a, r in results])
 
     def find_attempt(self, slurm_id: str) -> Attempt | None:
         row = self._db.execute("SELECT * FROM attempts WHERE slurm_id = ? ORDER BY id DESC LIMIT 1",
                                (slurm_id,)).fetchone()
         return Attempt(**dict(row)) if row else None
 
-    def unsettled(self, sweep_ids: Sequence[int] | None = None) -> list[tuple[Attempt, Job, Sweep]]:
-        """Attempts whose state may still change, with their job and sweep (three queries)."""
+    def unsettled(self, sweep_ids: Sequence[int] | None = None, nums: Sequence[int] | None = None
+                  ) -> list[Unsettled]:
+        """Attempts whose state may still change (of these sweeps, and of these jobs in them),
+        with their run directory and executor; job rows are not decoded."""
         final = ",".join("?" * len(FINAL_STATES))
         requeuable = ",".join("?" * len(REQUEUABLE_STATES))
-        query = (f"SELECT * FROM attempts WHERE state NOT IN ({final}) AND "
-                 f"(state NOT IN ({requeuable}) OR updated_at > ?)")
+        query = (f"SELECT a.*, j.run_dir AS run_dir, s.executor AS executor FROM attempts a "
+                 f"JOIN jobs j USING (sweep_id, num) JOIN sweeps s ON s.id = a.sweep_id "
+                 f"WHERE a.state NOT IN ({final}) AND "
+                 f"(a.state NOT IN ({requeuable}) OR a.updated_at > ?)")
         args: list[Any] = [*sorted(FINAL_STATES), *sorted(REQUEUABLE_STATES),
                            time.time() - RECHECK_REQUEUABLE_S]
         if sweep_ids is not None:
-            query += f" AND sweep_id IN ({','.join('?' * len(sweep_ids))})"
+            query += f" AND a.sweep_id IN ({','.join('?' * len(sweep_ids))})"
             args += list(sweep_ids)
-        attempts = [Attempt(**dict(r)) for r in self._db.execute(query, args)]
-        ids = sorted({a.sweep_id for a in attempts})
-        marks = ",".join("?" * len(ids))
-        sweeps = {r["id"]: Sweep(**dict(r))
-                  for r in self._db.execute(f"SELECT * FROM sweeps WHERE id IN ({marks})", ids)}
-        jobs = {(r["sweep_id"], r["num"]): _job(r)
-                for r in self._db.execute(f"SELECT * FROM jobs WHERE sweep_id IN ({marks})", ids)}
-        return [(a, jobs[(a.sweep_id, a.num)], sweeps[a.sweep_id]) for a in attempts]
+        if nums is not None:
+            query += f" AND a.num IN ({','.join('?' * len(nums))})"
+            args += list(nums)
+        out = []
+        for r in self._db.execute(query, args):
+            row = dict(r)
+            run_dir, executor = row.pop("run_dir"), row.pop("executor")
+            out.append(Unsettled(Attempt(**row), run_dir, executor))
+        return out
 
 
+@dataclass(frozen=True)
+class Unsettled:
+    attempt: Attempt
+    run_dir: str
+    executor: str
+
+
+# One sweep's latest attempt per job (argument: the sweep id). The sweep is picked inside the
+# grouping, so its cost follows this sweep's attempts, not the whole registry's.
 _LATEST_ATTEMPTS = ("SELECT a.* FROM attempts a JOIN (SELECT sweep_id, num, MAX(attempt) AS attempt "
-                    "FROM attempts GROUP BY sweep_id, num) last USING (sweep_id, num, attempt)")
+                    "FROM attempts WHERE sweep_id = ? GROUP BY sweep_id, num) last "
+                    "USING (sweep_id, num, attempt)")
 
 
 def _job(row: sqlite3.Row) -> Job:
@@ -556,27 +622,35 @@ def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, set
     return Observation(attempt.id, state, **{k: v for k, v in fields.items() if v is not None})
 
 
-def _slurm_reports(attempts: Sequence[Attempt], now: float) -> tuple[dict[str, str], set[str]]:
-    """One batched query for every array: (state per task id, ids whose array has settled)."""
+def _slurm_reports(attempts: Sequence[Attempt], now: float
+                   ) -> tuple[dict[str, str], set[str], set[str], list[str]]:
+    """One batched query for every array: (state per task id, ids whose array has settled, ids
+    SLURM did not answer for, one warning per part of the query that failed)."""
     from orchestrator.launch import slurm_query  # subprocess only; imported late to keep `status` light
 
     bases = sorted({base_id(a.slurm_id) for a in attempts if a.slurm_id})
     if not bases:
-        return {}, set()
-    try:
-        reported = expand_array_states(slurm_query.job_states(bases))
-    except slurm_query.SlurmQueryError:
-        return {}, set()
-    settled = set()
+        return {}, set(), set(), []
+    reply = slurm_query.query_states(bases)
+    reported = expand_array_states(reply.states)
+    # The reply indexed once by array: each attempt then looks up its own (was a scan per attempt).
+    by_array: dict[str, list[str]] = {}
+    for task, state in reported.items():
+        by_array.setdefault(base_id(task), []).append(state)
+    array_ended = {base: all(s in TERMINAL_STATES for s in states) for base, states in by_array.items()}
+    settled, unanswered = set(), set()
     for a in attempts:
         if not a.slurm_id:
             continue
         base = base_id(a.slurm_id)
-        siblings = [s for k, s in reported.items() if base_id(k) == base]
-        if (siblings and all(s in TERMINAL_STATES for s in siblings)) or \
-                (not siblings and now - a.submitted_at > SILENT_AFTER_S):
+        if base not in reply.answered:
+            unanswered.add(a.slurm_id)  # silence here is not SLURM's: conclude nothing from it
+        elif array_ended.get(base, False) or \
+                (base not in by_array and now - a.submitted_at > SILENT_AFTER_S):
             settled.add(a.slurm_id)
-    return reported, settled
+    warnings = [f"SLURM did not answer, so {len(unanswered)} job(s) may show an old state "
+                f"({error})" for error in reply.errors[:3]]
+    return reported, settled, unanswered, warnings
 
 
 def _local_reports(attempts: Sequence[Attempt]) -> tuple[dict[str, str], set[str]]:
@@ -606,24 +680,33 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def reconcile(registry: Registry, sweep_ids: Sequence[int] | None = None) -> int:
-    """Bring every unsettled attempt of these sweeps (all when None) up to date; returns changes."""
+@dataclass(frozen=True)
+class Reconciled:
+    changed: int  # attempts whose record changed
+    warnings: list[str]  # what could not be asked (a failed sacct): the user must see it
+
+
+def reconcile(registry: Registry, sweep_ids: Sequence[int] | None = None,
+              nums: Sequence[int] | None = None) -> Reconciled:
+    """Bring every unsettled attempt of these sweeps (all when None), or of these jobs of them,
+    up to date."""
     now = time.time()
-    unsettled = registry.unsettled(sweep_ids)
-    slurm = [a for a, _, sweep in unsettled if sweep.executor == "slurm"]
-    local = [a for a, _, sweep in unsettled if sweep.executor != "slurm"]
+    unsettled = registry.unsettled(sweep_ids, nums)
+    slurm = [u.attempt for u in unsettled if u.executor == "slurm"]
+    local = [u.attempt for u in unsettled if u.executor != "slurm"]
     # Ask SLURM (or the process table) first, read the status files after: a task that ended in
     # between then shows its end report, never "gone without one".
-    reported, settled = _slurm_reports(slurm, now)
+    reported, settled, unanswered, warnings = _slurm_reports(slurm, now)
     local_reported, local_settled = _local_reports(local)
     reported.update(local_reported)
     settled |= local_settled
-    statuses = {a.id: TaskStatus.read(job.run_dir, a.slurm_id) if a.slurm_id else None
-                for a, job, _ in unsettled}
     observations = []
-    for a, _, _ in unsettled:
-        seen = infer(a, reported.get(a.slurm_id or ""), statuses[a.id], (a.slurm_id or "") in settled,
-                     now)
+    for u in unsettled:
+        a = u.attempt
+        if a.slurm_id in unanswered:
+            continue  # left as recorded until SLURM answers; the warning says so
+        status = TaskStatus.read(u.run_dir, a.slurm_id) if a.slurm_id else None
+        seen = infer(a, reported.get(a.slurm_id or ""), status, (a.slurm_id or "") in settled, now)
         if seen is not None:
             observations.append(seen)
-    return registry.observe(observations) if observations else 0
+    return Reconciled(registry.observe(observations) if observations else 0, warnings)

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from orchestrator.launch import local_jobs
 from orchestrator.sweeps.registry import (
@@ -27,8 +27,10 @@ from orchestrator.sweeps.registry import (
     Attempt,
     Job,
     Observation,
+    Reconciled,
     Registry,
     RegistryError,
+    Result,
     Sweep,
     default_path,
     reconcile,
@@ -99,9 +101,20 @@ def command(registry: Registry, *args: object) -> str:
 class JobRow:
     job: Job
     attempt: Attempt | None
-    step: int | None
-    loss: float | None
-    memory: dict[str, Any] | None = None  # summary.json's memory section (telemetry so far if running)
+    result: Result  # progress, loss and memory: kept in the registry once the attempt ended
+
+    @property
+    def step(self) -> int | None:
+        return self.result.step
+
+    @property
+    def loss(self) -> float | None:
+        return self.result.loss
+
+    @property
+    def memory(self) -> dict[str, Any] | None:
+        """summary.json's memory section (telemetry so far if running)."""
+        return self.result.memory
 
     def runtime_s(self, now: float) -> float | None:
         a = self.attempt
@@ -144,15 +157,41 @@ def last_metrics(run_dir: str) -> dict[str, Any] | None:
     return None
 
 
-def job_rows(registry: Registry, sweep_id: int) -> list[JobRow]:
-    latest = registry.latest_attempts(sweep_id)
-    rows = []
-    for job in registry.jobs(sweep_id):
-        metrics = last_metrics(job.run_dir) or {}
-        step, loss = metrics.get("step"), metrics.get("train_loss")
-        rows.append(JobRow(job, latest.get(job.num), step if isinstance(step, int) else None,
-                           float(loss) if isinstance(loss, int | float) else None,
-                           job_memory(job.run_dir)))
+def read_result(run_dir: str) -> Result:
+    """What the run directory shows now: the last metrics line and the memory section."""
+    metrics = last_metrics(run_dir) or {}
+    step, loss = metrics.get("step"), metrics.get("train_loss")
+    memory = job_memory(run_dir)
+    flags = memory.get("flags") if memory else None
+    return Result(step if isinstance(step, int) else None,
+                  float(loss) if isinstance(loss, int | float) else None, peak_bytes(memory),
+                  [str(f) for f in flags] if isinstance(flags, list) else [],
+                  json.dumps(memory) if memory else None)
+
+
+def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[JobRow]:
+    """Each job (or job ``num``) with its latest attempt and what its run directory shows.
+
+    An attempt that has ended is read from its files once; its result is kept in the registry and
+    later calls read that instead (a requeue or correction of the attempt drops it).
+    """
+    if num is None:
+        jobs, latest = registry.jobs(sweep_id), registry.latest_attempts(sweep_id)
+    else:
+        attempts = registry.attempts(sweep_id, num)
+        jobs, latest = [registry.job(sweep_id, num)], ({num: attempts[-1]} if attempts else {})
+    kept = registry.results(sweep_id, num)
+    rows, ended = [], []
+    for job in jobs:
+        attempt = latest.get(job.num)
+        result = kept.get(attempt.id) if attempt else None
+        if result is None:
+            result = read_result(job.run_dir)
+            if attempt is not None and attempt.state in TERMINAL_STATES:
+                ended.append((attempt, result))
+        rows.append(JobRow(job, attempt, result))
+    if ended:
+        registry.keep_results(ended)
     return rows
 
 
@@ -171,16 +210,20 @@ def job_memory(run_dir: str) -> dict[str, Any] | None:
         return None
 
 
-def peak_memory_text(memory: dict[str, Any] | None) -> str:
+def peak_bytes(memory: dict[str, Any] | None) -> int | None:
     """The highest peak of the job: over its GPUs, or over its ranks' RSS on CPU."""
     if not memory:
-        return "-"
+        return None
     peaks = [g.get("peak_used_bytes") or 0 for g in memory.get("gpus", [])] or \
         [r.get("peak_rss_bytes") or 0 for r in memory.get("ranks", [])]
-    if not peaks:
+    return max(peaks) if peaks else None
+
+
+def peak_memory_text(result: Result) -> str:
+    if result.peak_bytes is None:
         return "-"
-    flags = len(memory.get("flags", []))
-    return f"{max(peaks) / 2**30:.2f} GiB" + (f" !{flags}" if flags else "")
+    flags = len(result.flags)
+    return f"{result.peak_bytes / 2**30:.2f} GiB" + (f" !{flags}" if flags else "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,18 +287,25 @@ def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str =
         state = a.state if a else "-"
         cells.append([r.job.ref, state, str(a.attempt) if a else "0", str(a.requeues) if a else "0",
                       (a.slurm_id or "-") if a else "-", (a.node or "-") if a else "-", _progress(r),
-                      f"{r.loss:.4f}" if r.loss is not None else "-", peak_memory_text(r.memory),
+                      f"{r.loss:.4f}" if r.loss is not None else "-", peak_memory_text(r.result),
                       format_duration(r.runtime_s(now)),
                       " ".join(overrides[r.job.num]) or "-"])
         painters.append({1: paint(state, colour)})
     return render_table(headers, cells, painters)
 
 
-def sweep_summary(registry: Registry, sweep: Sweep) -> dict[str, Any]:
-    states = Counter(a.state for a in registry.latest_attempts(sweep.id).values())
+def sweep_summary(registry: Registry, sweep: Sweep, rows: Sequence[JobRow] | None = None
+                  ) -> dict[str, Any]:
+    """The sweep's counts; from ``rows`` when the caller has read them already."""
+    if rows is None:
+        latest = list(registry.latest_attempts(sweep.id).values())
+        num_jobs = registry.count_jobs(sweep.id)
+    else:
+        latest, num_jobs = [r.attempt for r in rows if r.attempt], len(rows)
+    states = Counter(a.state for a in latest)
     return {"id": sweep.id, "created_at": sweep.created_at, "app": sweep.app, "command": sweep.command,
             "sweep_dir": sweep.sweep_dir, "executor": sweep.executor,
-            "jobs": len(registry.jobs(sweep.id)), "states": dict(sorted(states.items()))}
+            "jobs": num_jobs, "states": dict(sorted(states.items()))}
 
 
 def sweeps_table(summaries: Sequence[dict[str, Any]], colour: bool) -> str:
@@ -277,32 +327,43 @@ def sweeps_table(summaries: Sequence[dict[str, Any]], colour: bool) -> str:
 # Commands (each returns the process exit status)
 
 
+def print_warnings(reconciled: Reconciled, out: IO[str]) -> None:
+    for warning in reconciled.warnings:
+        print(f"warning: {warning}", file=out)
+
+
 def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[str] = sys.stdout) -> int:
     if target is None:
-        reconcile(registry)
+        reconciled = reconcile(registry)
         summaries = [sweep_summary(registry, s) for s in registry.sweeps()]
         if as_json:
-            print(json.dumps({"registry": str(registry.path), "sweeps": summaries}, indent=1), file=out)
-        elif not summaries:
+            print(json.dumps({"registry": str(registry.path), "sweeps": summaries,
+                              "warnings": reconciled.warnings}, indent=1), file=out)
+            return 0
+        print_warnings(reconciled, out)
+        if not summaries:
             print(f"no sweeps recorded in {registry.path} yet", file=out)
         else:
             print(sweeps_table(summaries, colour_enabled(out)), file=out)
         return 0
     ref = parse_ref(registry, target)
-    reconcile(registry, [ref.sweep_id])
+    reconciled = reconcile(registry, [ref.sweep_id])
     sweep, now = registry.sweep(ref.sweep_id), time.time()
-    rows = [r for r in job_rows(registry, ref.sweep_id) if ref.num is None or r.job.num == ref.num]
+    all_rows = job_rows(registry, ref.sweep_id)
+    rows = [r for r in all_rows if ref.num is None or r.job.num == ref.num]
+    summary = sweep_summary(registry, sweep, all_rows)
     if as_json:
-        print(json.dumps({"sweep": sweep_summary(registry, sweep),
-                          "jobs": [r.as_json(now) for r in rows]}, indent=1), file=out)
+        print(json.dumps({"sweep": summary, "jobs": [r.as_json(now) for r in rows],
+                          "warnings": reconciled.warnings}, indent=1), file=out)
         return 0
-    summary = sweep_summary(registry, sweep)
     counts = ", ".join(f"{n} {state.lower()}" for state, n in summary["states"].items())
     print(f"sweep {sweep.id}  {sweep.app}  {format_time(sweep.created_at)}  {sweep.executor}  "
           f"{summary['jobs']} jobs: {counts or 'none submitted'}\n"
-          f"dir: {sweep.sweep_dir}\ncommand: {sweep.command or '-'}\n", file=out)
+          f"dir: {sweep.sweep_dir}\ncommand: {sweep.command or '-'}", file=out)
+    print_warnings(reconciled, out)
+    print(file=out)
     print(jobs_table(rows, colour_enabled(out), now, sweep.executor), file=out)
-    flags = [f"  {r.job.ref}: ! {flag}" for r in rows if r.memory for flag in r.memory.get("flags", [])]
+    flags = [f"  {r.job.ref}: ! {flag}" for r in rows for flag in r.result.flags]
     if flags:  # idle GPUs, GPU 0 overload, a rank on another rank's GPU: worth a line each
         print("\nmemory warnings:\n" + "\n".join(flags), file=out)
     return 0
@@ -332,7 +393,7 @@ def _attempt(registry: Registry, ref: Ref, number: int | None) -> Attempt:
 def cmd_logs(registry: Registry, target: str, rank: int, follow: bool, stream: str,
              attempt_number: int | None = None, out: IO[str] = sys.stdout) -> int:
     ref = _job_ref(registry, target)
-    reconcile(registry, [ref.sweep_id])
+    print_warnings(reconcile(registry, [ref.sweep_id], [cast(int, ref.num)]), sys.stderr)
     attempt = _attempt(registry, ref, attempt_number)
     stdout_path, stderr_path = log_paths(attempt, rank)
     paths = {"out": [stdout_path], "err": [stderr_path], "both": [stdout_path, stderr_path]}[stream]
@@ -375,7 +436,7 @@ def _follow(registry: Registry, ref: Ref, attempt: Attempt, paths: list[Path], o
             if ended:
                 return 0
             if time.monotonic() - last_check > 2:
-                reconcile(registry, [ref.sweep_id])
+                reconcile(registry, [ref.sweep_id], [cast(int, ref.num)])
                 state = _attempt(registry, ref, attempt.attempt).state
                 ended, last_check = state in TERMINAL_STATES, time.monotonic()
             time.sleep(poll_s)
@@ -386,28 +447,30 @@ def _follow(registry: Registry, ref: Ref, attempt: Attempt, paths: list[Path], o
 def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout) -> int:
     ref = _job_ref(registry, target)
     assert ref.num is not None  # _job_ref guarantees it; narrows the type
-    reconcile(registry, [ref.sweep_id])
-    job, sweep = registry.job(ref.sweep_id, ref.num), registry.sweep(ref.sweep_id)
+    reconciled = reconcile(registry, [ref.sweep_id], [ref.num])  # this job only, not its sweep
+    (row,) = job_rows(registry, ref.sweep_id, ref.num)
+    job, sweep = row.job, registry.sweep(ref.sweep_id)
     attempts = registry.attempts(ref.sweep_id, ref.num)
     config_path = Path(job.run_dir) / ".switchyard" / "config.yaml"
     config_text = _read(config_path) or f"(missing: {config_path})\n"
+    memory = row.memory
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources,
                           "config_path": str(config_path), "config": config_text,
                           "attempts": [a.__dict__ for a in attempts],
-                          "memory": job_memory(job.run_dir)}, indent=1), file=out)
+                          "memory": memory, "warnings": reconciled.warnings}, indent=1), file=out)
         return 0
     colour = colour_enabled(out)
     print(f"job {job.ref}  sweep {sweep.id} ({sweep.app})\noverrides: {' '.join(job.overrides) or '-'}\n"
           f"run dir: {job.run_dir}", file=out)
+    print_warnings(reconciled, out)
     cells = [[str(a.attempt), a.slurm_id or "-", a.state, str(a.requeues),
               "-" if a.exit_code is None else str(a.exit_code), a.node or "-", format_time(a.started_at),
               format_duration(a.ended_at - a.started_at if a.ended_at and a.started_at else None),
               a.error or ""] for a in attempts]
     print(render_table(["TRY", "SLURM_ID", "STATE", "REQUEUES", "EXIT", "NODE", "STARTED", "RUNTIME",
                         "ERROR"], cells, [{2: paint(a.state, colour)} for a in attempts]), file=out)
-    memory = job_memory(job.run_dir)
     if memory:
         print("\n" + format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
@@ -422,7 +485,7 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
         raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
                            "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
-    reconcile(registry, [ref.sweep_id])
+    print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
     executor = registry.sweep(ref.sweep_id).executor
     live = [a for a in registry.latest_attempts(ref.sweep_id).values()
             if (ref.num is None or a.num == ref.num) and a.slurm_id and a.state not in TERMINAL_STATES]
@@ -464,7 +527,7 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
     ref = parse_ref(registry, target)
     if ref.num is not None:
         raise CommandError(f"resubmit takes a sweep: switchyard resubmit {ref.sweep_id} --failed")
-    reconcile(registry, [ref.sweep_id])
+    print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
     try:
         resubmitted = sweeps.resubmit_failed(registry, ref.sweep_id)
     except sweeps.SweepError as e:

@@ -1,0 +1,226 @@
+"""`switchyard status` and `show` at scale: what an ended job left is read once and kept, rows are
+decoded once, SLURM is asked only about what is shown, its reply is matched in linear work, and a
+failed SLURM query is reported instead of dropped.
+
+Where SLURM must answer in a way the real one cannot be made to (fail), its commands are small
+scripts first on PATH (tests/slurm_fakes.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from slurm_fakes import calls, fake_slurm
+
+from orchestrator.launch import slurm_query
+from orchestrator.sweeps import registry, status
+from orchestrator.sweeps.registry import (
+    SUBMITTED,
+    Attempt,
+    Job,
+    Observation,
+    Registry,
+    Result,
+    Submitted,
+)
+from orchestrator.sweeps.status import cmd_show, cmd_status
+
+GIB = 2**30
+
+
+def slurm_sweep(reg: Registry, tmp_path: Path, num_jobs: int) -> tuple[int, dict[int, int]]:
+    """A SLURM sweep whose jobs are each their own array (``10N_0``), submitted."""
+    sweep_id = reg.create_sweep("train", "x=...", str(tmp_path), "slurm", "entry.pkl")
+    reg.add_jobs(Job(sweep_id, n, [f"x={n}"], str(tmp_path / str(n)), {"executor": "slurm"}, 20)
+                 for n in range(num_jobs))
+    claims = reg.claim(sweep_id, range(num_jobs))
+    reg.confirm(Submitted(claims[n], f"{100 + n}_0", str(100 + n), 0, str(tmp_path / "logs"))
+                for n in range(num_jobs))
+    return sweep_id, claims
+
+
+def write_telemetry(run_dir: Path, rss_bytes: int) -> None:
+    """Two CPU ranks sampled 12 times, as the memory sampler writes them; no summary.json."""
+    tel = run_dir / "telemetry"
+    (tel / "ranks").mkdir(parents=True)
+    lines = [json.dumps({"t": 1000.0 + 5 * i, "node": "n1", "sample_s": 0.0001,
+                         "ranks": [{"rank": r, "pid": 10 + r, "rss_bytes": rss_bytes + i, "shared_bytes": 0,
+                                    "uss_bytes": None} for r in range(2)]}) for i in range(12)]
+    (tel / "n1.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def table(text: str) -> dict[str, list[str]]:
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("JOB "))
+    rows = {}
+    for line in lines[header + 1:]:
+        if not line.strip():
+            break
+        rows[line.split()[0]] = line.split()
+    return rows
+
+
+def status_text(reg: Registry, target: str = "1") -> str:
+    out = io.StringIO()
+    assert cmd_status(reg, target, as_json=False, out=out) == 0
+    return out.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------
+# What an ended job left is read once
+
+
+FLAGGED_MEMORY = {
+    "mode": "gpu", "num_samples": 12, "duration_s": 60.0, "sample_cost_ms": {"mean": 0.1, "max": 0.3},
+    "gpus": [{"node": "n1", "index": i, "total_bytes": 80 * GIB, "mean_util_pct": 90.0, "ranks": [i],
+              "peak_used_bytes": (16 if i == 0 else 10) * GIB, "processes": []} for i in range(2)],
+    "ranks": [], "nodes": [], "notes": [], "flags": ["GPU 0 on n1 peaked at 16.0 GiB"]}
+
+
+@pytest.fixture
+def ended_sweep(tmp_path: Path) -> Registry:
+    """Job 0 COMPLETED with summary.json; job 1 FAILED with telemetry and no summary.json."""
+    reg = Registry(tmp_path / "r.db")
+    sweep_id, claims = slurm_sweep(reg, tmp_path, 2)
+    for n in range(2):
+        (tmp_path / str(n)).mkdir()
+        (tmp_path / str(n) / "metrics.jsonl").write_text(
+            json.dumps({"step": 10 + n, "train_loss": 0.5 + n}) + "\n")
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"memory": FLAGGED_MEMORY}))
+    write_telemetry(tmp_path / "1", rss_bytes=3 * GIB)
+    reg.observe([Observation(claims[0], "COMPLETED", exit_code=0, started_at=1.0, ended_at=9.0),
+                 Observation(claims[1], "FAILED", exit_code=1, started_at=1.0, ended_at=9.0)])
+    assert sweep_id == 1
+    return reg
+
+
+def test_an_ended_jobs_files_are_read_once_and_kept_in_the_registry(
+        ended_sweep: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    summarised: list[Path] = []
+    summarize = status.summarize
+
+    def counted(run_dir: Path) -> dict[str, Any]:
+        summarised.append(run_dir)
+        return summarize(run_dir)
+
+    monkeypatch.setattr(status, "summarize", counted)
+    first = status_text(ended_sweep)
+    assert summarised == [tmp_path / "1"]  # the failed job's telemetry, summarised once
+    rows = table(first)
+    assert rows["1/0"][6:10] == ["10/20", "0.5000", "16.00", "GiB"] and rows["1/0"][10] == "!1"
+    assert rows["1/1"][6:10] == ["11/20", "1.5000", "3.00", "GiB"]
+    assert "1/0: ! GPU 0 on n1 peaked at 16.0 GiB" in first
+    for n in range(2):  # what is shown now comes from the registry, not from the files
+        shutil.rmtree(tmp_path / str(n))
+    assert status_text(ended_sweep) == first
+    assert summarised == [tmp_path / "1"]
+    out = io.StringIO()
+    cmd_show(ended_sweep, "1/0", as_json=True, out=out)
+    assert json.loads(out.getvalue())["memory"] == FLAGGED_MEMORY
+
+
+def test_a_requeue_or_correction_drops_the_kept_result(ended_sweep: Registry, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_slurm(tmp_path, monkeypatch, sacct="true")  # SLURM knows nothing of these jobs yet
+    status_text(ended_sweep)
+    attempt = ended_sweep.latest_attempts(1)[0]
+    (tmp_path / "0" / "metrics.jsonl").write_text(json.dumps({"step": 3, "train_loss": 2.0}) + "\n")
+    assert table(status_text(ended_sweep))["1/0"][6] == "10/20"  # kept: the files are not read
+    ended_sweep.observe([Observation(attempt.id, "RUNNING", requeues=1)])  # a new life
+    assert table(status_text(ended_sweep))["1/0"][6:8] == ["3/20", "2.0000"]
+    # A result read before the attempt changed is not kept for the changed attempt.
+    ended_sweep.keep_results([(attempt, Result(99, 9.0, None, [], None))])
+    assert attempt.id not in ended_sweep.results(1)
+
+
+def test_status_decodes_each_job_row_once(ended_sweep: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded: list[int] = []
+    job = registry._job
+
+    def counted(row: sqlite3.Row) -> Job:
+        decoded.append(row["num"])
+        return job(row)
+
+    monkeypatch.setattr(registry, "_job", counted)
+    status_text(ended_sweep)
+    assert sorted(decoded) == [0, 1]
+
+
+def test_a_version_1_registry_gains_the_results_table_and_keeps_its_sweeps(tmp_path: Path) -> None:
+    path = tmp_path / "r.db"
+    with Registry(path) as reg:
+        slurm_sweep(reg, tmp_path, 2)
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE results")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    with Registry(path) as reg:
+        assert len(reg.jobs(1)) == 2 and reg.results(1) == {}
+        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == registry.SCHEMA_VERSION
+
+
+# ------------------------------------------------------------------------------------------------
+# Asking SLURM: only what is shown, matched in linear work, failures said
+
+
+def test_show_asks_slurm_about_its_own_job_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = fake_slurm(tmp_path, monkeypatch, sacct='tr "," "\\n" <<< "$ids" | sed "s/$/_0|RUNNING/"')
+    with Registry(tmp_path / "r.db") as reg:
+        slurm_sweep(reg, tmp_path, 3)
+        cmd_show(reg, "1/1", as_json=False, out=io.StringIO())
+        assert calls(log, "sacct") == ["101"]
+        assert {n: a.state for n, a in reg.latest_attempts(1).items()} == {
+            0: SUBMITTED, 1: "RUNNING", 2: SUBMITTED}
+
+
+def _attempt(n: int, slurm_id: str) -> Attempt:
+    return Attempt(n, 1, n, 1, slurm_id, slurm_id.split("_")[0], 0, SUBMITTED, 0, time.time(), None, None,
+                   None, None, None, None, time.time())
+
+
+def test_matching_the_sacct_reply_is_linear_in_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 300 tasks in 3 arrays: 7 and 8 have ended, 9 has a task still pending.
+    reply = {f"{7 + n // 100}_{n % 100}": "PENDING" if n == 250 else "COMPLETED" for n in range(300)}
+    attempts = [_attempt(n, task) for n, task in enumerate(reply)]
+    monkeypatch.setattr(slurm_query, "_from_sacct", lambda ids, timeout_s: reply)
+    looked_up: list[str] = []
+    base_id = registry.base_id
+
+    def counted(job_id: str) -> str:
+        looked_up.append(job_id)
+        return base_id(job_id)
+
+    monkeypatch.setattr(registry, "base_id", counted)
+    reported, settled, unanswered, warnings = registry._slurm_reports(attempts, time.time())
+    assert reported == reply and unanswered == set() and warnings == []
+    assert settled == {task for task in reply if not task.startswith("9_")}
+    assert len(looked_up) <= 4 * (len(attempts) + len(reply))  # a scan per attempt would be 90,000
+
+
+def test_a_failed_slurm_query_is_a_warning_and_changes_nothing(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_slurm(tmp_path, monkeypatch,
+               sacct='echo "sacct: error: Problem talking to the database" >&2; exit 1',
+               squeue='echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1')
+    with Registry(tmp_path / "r.db") as reg:
+        slurm_sweep(reg, tmp_path, 2)
+        # Old enough that SLURM's silence about them would mean they are gone, had SLURM answered.
+        reg._db.execute("UPDATE attempts SET submitted_at = ?", (time.time() - 3600,))
+        text = status_text(reg)
+        assert "warning: SLURM did not answer, so 2 job(s) may show an old state" in text
+        assert "Problem talking to the database" in text and "Unable to contact slurm controller" in text
+        assert [row[1] for row in table(text).values()] == [SUBMITTED, SUBMITTED]
+        out = io.StringIO()
+        cmd_status(reg, "1", as_json=True, out=out)
+        assert len(json.loads(out.getvalue())["warnings"]) == 1
+        out = io.StringIO()
+        cmd_show(reg, "1/0", as_json=False, out=out)
+        assert "warning: SLURM did not answer, so 1 job(s)" in out.getvalue()
