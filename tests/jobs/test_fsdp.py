@@ -34,8 +34,8 @@ def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[st
     return proc
 
 
-def metrics(tmp_path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+def metrics(tmp_path: Path, run: str = "run") -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
             if "train_loss" in line]
 
 
@@ -122,3 +122,20 @@ def test_fsdp_settings_it_cannot_use_are_refused_before_anything_runs(tmp_path: 
     assert "parallelism.fsdp_units=['NoSuchBlock'] is invalid: model jobs.models.RowTransformer has no " \
            "module of these classes" in proc.stderr
     assert not (tmp_path / "run" / "submitit").exists(), "nothing may be submitted"
+
+
+def test_one_sweep_runs_ddp_and_fsdp_side_by_side_in_bf16(tmp_path: Path) -> None:
+    """``parallelism.strategy=ddp,fsdp``: each point checked before anything runs, each trained with
+    its own strategy; bf16 is autocast under ddp and FSDP2's policy under fsdp."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "-m", "parallelism.strategy=ddp,fsdp", "memory.amp=bf16",
+         "optim.max_steps=12", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.registry=" + str(tmp_path / "registry.db")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for point, kinds in (("0", [".pt", ".xxh3"]), ("1", [".dcp"])):
+        done = json.loads((tmp_path / "sweep" / point / "summary.json").read_text())
+        assert done["steps"] == 12 and len(set(done["param_checksum_per_rank"])) == 1
+        losses = [m["train_loss"] for m in metrics(tmp_path / "sweep" / point, run="")]
+        assert losses[-1] < 0.7 * losses[0], (point, losses)
+        assert sorted({p.suffix for p in (tmp_path / "sweep" / point / "checkpoints").iterdir()}) == kinds

@@ -18,11 +18,13 @@ pytestmark = pytest.mark.slurm
 SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16", "log_every_steps=5"]
 
 
-def test_two_nodes_two_ranks_train_to_a_lower_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_nodes_two_ranks_train_to_a_lower_loss(tmp_path: Path, strategy: str) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2", *SMALL,
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+         f"parallelism.strategy={strategy}", f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
@@ -35,6 +37,9 @@ def test_two_nodes_two_ranks_train_to_a_lower_loss(tmp_path: Path) -> None:
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["train_loss"]
     assert summary["final_train_loss"] < 0.7 * first
     assert slurm_query.wait_for_terminal_states([job_id])[job_id] == "COMPLETED"
+    if strategy == "fsdp":  # each of the 4 ranks, 2 per node, wrote its own shard
+        shards = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.dcp/*.distcp"))
+        assert shards == [f"__{rank}_0.distcp" for rank in range(4)]
 
 
 def test_not_waiting_returns_after_submission(tmp_path: Path) -> None:
