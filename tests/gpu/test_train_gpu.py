@@ -40,12 +40,14 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
                               max_rows=32)
 
 
-@pytest.mark.parametrize("amp", ["none", "bf16"])
+@pytest.mark.parametrize(("amp", "strategy"), [("none", "ddp"), ("bf16", "ddp"), ("none", "fsdp"),
+                                               ("bf16", "fsdp")])
 def test_steps_that_do_not_log_never_sync_the_gpu(one_gpu_rank: runtime.Runtime, dataset: str,
-                                                 tmp_path: Path, amp: str) -> None:
-    from orchestrator.config import MemoryConfig
+                                                 tmp_path: Path, amp: str, strategy: str) -> None:
+    from orchestrator.config import MemoryConfig, ParallelismConfig
 
     cfg = TrainConfig(model=MlpConfig(), data=DataConfig(path=dataset, num_classes=4, batch_size=32),
+                      parallelism=ParallelismConfig(gpus_per_node=1, strategy=strategy),
                       optim=OptimConfig(grad_accum_steps=2, clip_grad_norm=1.0, max_steps=50),
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
     run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, one_gpu_rank)
@@ -95,8 +97,8 @@ def test_batches_copied_on_the_side_stream_arrive_intact(dataset: str) -> None:
 
 def train(tmp_path: Path, *overrides: str) -> dict[str, object]:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", *overrides,
-                           "optim.max_steps=30", "data.demo_num_samples=1024",
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", "optim.max_steps=30",
+                           *overrides, "data.demo_num_samples=1024",
                            f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True, timeout=600, env=os.environ)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -110,6 +112,18 @@ def test_the_job_trains_on_the_gpu(tmp_path: Path, mode: str) -> None:
     memory = summary["memory"]
     assert isinstance(memory, dict) and memory["mode"] == "gpu"
     assert memory["ranks"][0]["end"]["max_allocated_bytes"] > 0
+
+
+def test_fsdp_trains_checkpoints_and_resumes_on_the_gpu(tmp_path: Path) -> None:
+    gpus = min(torch.cuda.device_count(), 2)
+    same = ["cluster=local", f"parallelism.gpus_per_node={gpus}", "parallelism.strategy=fsdp",
+            "memory.amp=bf16", "model=transformer"]
+    summary = train(tmp_path, *same)
+    assert summary["backend"] == "nccl" and len(set(summary["param_checksum_per_rank"])) == 1  # type: ignore[arg-type]
+    assert len(list((tmp_path / "run" / "checkpoints").glob("step-*.dcp/*.distcp"))) == gpus
+    resumed = train(tmp_path, *same, "optim.max_steps=40")
+    assert resumed["resumed_from"] == {"path": str(tmp_path / "run" / "checkpoints" / "step-000000030.dcp"),
+                                       "step": 30}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
