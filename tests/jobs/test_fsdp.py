@@ -8,8 +8,10 @@ world size, and the fallback to the previous checkpoint when a shard is damaged.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +141,34 @@ def test_one_sweep_runs_ddp_and_fsdp_side_by_side_in_bf16(tmp_path: Path) -> Non
         losses = [m["train_loss"] for m in metrics(tmp_path / "sweep" / point, run="")]
         assert losses[-1] < 0.7 * losses[0], (point, losses)
         assert sorted({p.suffix for p in (tmp_path / "sweep" / point / "checkpoints").iterdir()}) == kinds
+
+
+def test_a_preempted_fsdp_run_checkpoints_its_shards_and_continues(tmp_path: Path) -> None:
+    """SIGTERM (``switchyard cancel``, as SLURM's preemption): every rank stops at the same step and
+    writes its shard; the run continues from that checkpoint."""
+    registry = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "-m", "cluster=local", "cluster.wait=false", *SMALL,
+         "parallelism.strategy=fsdp", "optim.max_steps=1000000", f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.sweep.dir={tmp_path / 'multirun'}"],
+        env=registry, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics_file = tmp_path / "multirun" / "0" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, "the run never logged"
+        time.sleep(0.2)
+    switchyard = str(Path(sys.executable).parent / "switchyard")
+    cancel = subprocess.run([switchyard, "cancel", "1", "--grace", "100"], env=registry,
+                            capture_output=True, text=True, timeout=200)
+    assert "cancelled 1 job(s)" in cancel.stdout, cancel.stdout + cancel.stderr
+    saved = sorted((tmp_path / "multirun" / "0" / "checkpoints").glob("step-*.dcp"))
+    assert len(saved) == 1 and sorted(p.name for p in saved[0].glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]
+    step = int(saved[0].name[5:14])
+    logs = "".join(p.read_text() for p in (tmp_path / "multirun").rglob("*_0_log.out"))
+    assert f"stopped by PREEMPTED at step {step}" in logs
+    continued = ok(train(tmp_path, "parallelism.strategy=fsdp", f"optim.max_steps={step + 3}",
+                         f"checkpoint.dir={saved[0].parent}"))
+    assert f"resumed from {saved[0]} at step {step}" in continued.stdout + rank_logs(tmp_path)
+    assert summary(tmp_path)["steps"] == step + 3
