@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -172,3 +173,27 @@ def test_a_preempted_fsdp_run_checkpoints_its_shards_and_continues(tmp_path: Pat
                          f"checkpoint.dir={saved[0].parent}"))
     assert f"resumed from {saved[0]} at step {step}" in continued.stdout + rank_logs(tmp_path)
     assert summary(tmp_path)["steps"] == step + 3
+
+
+def test_an_fsdp_rank_killed_mid_run_fails_the_job_naming_it(tmp_path: Path) -> None:
+    """kill -9 of one rank (the OOM killer) between gathers: the job fails naming that rank instead of
+    leaving the other waiting in an all-gather until the collective timeout."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", *SMALL, "parallelism.strategy=fsdp", "optim.max_steps=1000000",
+         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics_file, rank_file = run_dir / "metrics.jsonl", run_dir / "telemetry" / "ranks" / "rank-1.json"
+        deadline = time.monotonic() + 180
+        while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and proc.poll() is None, "the run never logged"
+            time.sleep(0.2)
+        os.kill(json.loads(rank_file.read_text())["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "rank 1" in out + err and "SIGKILL" in out + err, (out + err)[-3000:]
