@@ -40,17 +40,19 @@ from torch.utils.data import Sampler
 from sharding.partition import (
     POLICIES,
     BoolArray,
+    EpochRemainder,
     IntArray,
     Partition,
     PartitionError,
     Policy,
     Segment,
     VisitOrder,
-    remaining_partition,
     validate_shard_counts,
 )
 
-STATE_VERSION = 1
+# 2: within-shard and block orders come from a keyed cipher, not a Generator per shard and block
+# (the same guarantees, another order), so a version-1 state would name other samples.
+STATE_VERSION = 2
 PARTITION_ORDER = "partition"  # the visit-order name of a sampler iterated as it is
 _YIELD_CHUNK = 4096  # values converted to Python ints at a time, never the whole partition
 
@@ -110,8 +112,12 @@ class ShardedSampler(Sampler[int]):
         self._epoch = 0
         self._segments: list[Segment] = []  # one per world size the epoch ran at; last: now
         self._start = 0  # entries of the current segment skipped by a resume
-        self._current = Partition(np.empty(0, np.int64), np.empty(0, np.bool_))
-        self._encoded: IntArray = np.empty(0, np.int64)  # int64 [n], what __iter__ yields
+        self._num_entries = 0  # entries of the current segment, known before they are computed
+        # What is left of the epoch; turned into `_current` on first use (iteration, partition,
+        # segment), so set_epoch and load_state_dict cost a count, and one partition at most
+        # lives at a time.
+        self._remainder: EpochRemainder | None = None
+        self._computed: Partition | None = None
         self._visit_order: VisitOrder | None = None  # None: entries visited in partition order
         self._visit_order_name = PARTITION_ORDER
         self._loaded_order: str | None = None  # the order named by the last loaded state
@@ -133,26 +139,39 @@ class ShardedSampler(Sampler[int]):
             self._loaded_order = None  # a fresh epoch owes nothing to the loaded state
 
     def _enter(self, epoch: int, segments: list[Segment], *, start: int) -> None:
-        """Switch to this stretch of an epoch; computed first, so bad input changes nothing."""
-        current = remaining_partition(
+        """Switch to this stretch of an epoch; checked first, so bad input changes nothing.
+
+        Only counts are computed here; the entries follow on first use.
+        """
+        remainder = EpochRemainder(
             self._counts,
             segments=segments[:-1],
-            world_size=self.world_size,
-            rank=self.rank,
             epoch=epoch,
             seed=self.seed,
             policy=self.policy,
             shuffle=self.shuffle,
             visit_order=self._visit_order,
         )
-        if start > len(current):
+        remainder.check_split(self.world_size, self.rank)
+        num_entries = remainder.entries_per_rank(self.world_size)
+        if start > num_entries:
             raise SamplerStateError(
                 f"state_dict segments[-1] has consumed_per_rank={start}, but each rank has "
-                f"{len(current)} entries there: the state was saved for other shard counts, "
+                f"{num_entries} entries there: the state was saved for other shard counts, "
                 "seed or policy (resume with the same ones, or start the epoch with set_epoch)"
             )
         self._epoch, self._segments, self._start = epoch, segments, start
-        self._current, self._encoded = current, encode_array(current)
+        self._remainder, self._computed, self._num_entries = remainder, None, num_entries
+
+    @property
+    def _current(self) -> Partition:
+        """All entries of the current stretch of the epoch, computed on first use."""
+        if self._computed is None:
+            if self._remainder is None:
+                raise RuntimeError("ShardedSampler has no epoch entered")  # __init__ enters one
+            self._computed = self._remainder.partition(self.world_size, self.rank)
+            self._remainder = None  # its per-shard arrays are not needed any more
+        return self._computed
 
     @property
     def segment(self) -> tuple[Partition, int, int]:
@@ -178,19 +197,20 @@ class ShardedSampler(Sampler[int]):
         return self._current.tail(self._start)
 
     def __len__(self) -> int:
-        return len(self._current) - self._start
+        return self._num_entries - self._start
 
     def __iter__(self) -> Iterator[int]:
-        encoded = self._encoded[self._start :]  # int64 [len(self)]
-        for lo in range(0, encoded.size, _YIELD_CHUNK):
-            yield from encoded[lo : lo + _YIELD_CHUNK].tolist()
+        part = self._current.tail(self._start)  # [len(self)]
+        for lo in range(0, len(part), _YIELD_CHUNK):  # encoded a chunk at a time, never all
+            chunk = Partition(part.indices[lo : lo + _YIELD_CHUNK], part.is_pad[lo : lo + _YIELD_CHUNK])
+            yield from encode_array(chunk).tolist()
 
     def advance(self, num_entries: int) -> None:
         """Record that this rank consumed `num_entries` more entries (padding included)."""
         if isinstance(num_entries, bool) or not isinstance(num_entries, int | np.integer):
             raise TypeError(f"advance(num_entries={num_entries!r}): pass an int, e.g. len(batch)")
         world_size, consumed = self._segments[-1]
-        total = len(self._current)
+        total = self._num_entries
         if num_entries < 0 or consumed + num_entries > total:
             raise ValueError(
                 f"advance(num_entries={num_entries}) after {consumed} consumed would pass the "
@@ -277,6 +297,13 @@ def _parse_state(state: Mapping[str, Any]) -> tuple[int, list[Segment]]:
     if missing:
         raise SamplerStateError(
             f"state_dict lacks {missing}: pass what ShardedSampler.state_dict() returned"
+        )
+    if state["version"] == 1:
+        raise SamplerStateError(
+            "state_dict version=1 was saved by an older Switchyard whose epoch order differs "
+            f"(this code writes version {STATE_VERSION}), so its progress would name other "
+            "samples: finish that epoch with the older version, or call set_epoch(epoch) "
+            "instead of load_state_dict to start the saved epoch afresh"
         )
     if state["version"] != STATE_VERSION:
         raise SamplerStateError(

@@ -202,7 +202,8 @@ def test_advance_past_the_epoch_is_refused() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("version", 2, "version=2"),
+        ("version", 3, "version=3"),
+        ("version", 1, r"version=1 was saved by an older Switchyard.*set_epoch\(epoch\)"),
         ("seed", 99, "seed=99"),
         ("policy", "drop", "policy='drop'"),
         ("shuffle", False, "shuffle=False"),
