@@ -9,9 +9,12 @@ Submit side, :func:`launch`, in this order so that bad input queues nothing:
    changes nothing.
 2. check every point: the app's typed config (``jobs.train``: schema checks, dataset, model), the
    launcher's resources, and that each partition exists; errors name the point.
-3. record the sweep and its jobs in the registry, then group the points by resource request and
-   submit one ``sbatch --array=0-N%array_parallelism`` per group.
-4. wait and return Hydra's ``JobReturn`` list (blocking), or print the sweep id and return.
+3. check the sweep against SLURM's limits (``scontrol show config``): more jobs than
+   ``MaxJobCount`` leaves room for is refused here.
+4. record the sweep and its jobs in the registry, then group the points by resource request and
+   submit one ``sbatch --array=0-N%array_parallelism`` per group, or several where a group has
+   more points than ``MaxArraySize``.
+5. wait and return Hydra's ``JobReturn`` list (blocking), or print the sweep id and return.
 
 Node side, :func:`run_point`: every task of a point's job loads the saved config and runs Hydra's
 ``run_job`` with the task function. Points whose config has Switchyard's ``cluster`` and
@@ -30,7 +33,7 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,8 +43,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, app_check
-from orchestrator.launch import dist_env, local_jobs
+from orchestrator.launch import dist_env, local_jobs, slurm_query
 from orchestrator.sweeps.registry import (
+    RETRY_STATES,
     Job,
     Registry,
     RegistryError,
@@ -331,6 +335,53 @@ def _typed(node: DictConfig, schema: type[Any]) -> Any:
     return value
 
 
+def check_cluster_limits(num_jobs: int) -> slurm_query.ClusterLimits:
+    """Refuse, before anything is queued, ``num_jobs`` more jobs than SLURM would take.
+
+    slurmctld counts every task of an array against ``MaxJobCount`` from submission on (pending
+    ones too), so the sweep must fit beside the jobs it already holds; past that, sbatch refuses
+    an array and the sweep would be queued in part. ``MaxArraySize`` 0 means no arrays at all.
+    """
+    try:
+        limits = slurm_query.cluster_limits()
+        held = slurm_query.jobs_in_controller()
+    except slurm_query.SlurmQueryError as e:
+        raise SweepError(f"cannot read SLURM's limits ({e}); is the cluster up? "
+                         f"(try switchyard cluster up)") from e
+    if limits.max_array_size < 1:
+        raise SweepError(f"this cluster disables job arrays (MaxArraySize={limits.max_array_size} in "
+                         f"scontrol show config), and Switchyard submits sweeps as arrays: nothing "
+                         f"was queued (run the points one by one without -m)")
+    room = max(limits.max_job_count - 1 - held, 0)
+    if num_jobs > room:
+        raise SweepError(
+            f"{num_jobs} jobs do not fit in SLURM: MaxJobCount={limits.max_job_count} (scontrol show "
+            f"config) counts every array task, queued ones too, and the controller holds {held} jobs "
+            f"now, so {room} more fit; nothing was queued. Sweep at most {room} points at a time, or "
+            f"wait for queued jobs to end (hydra.launcher.array_parallelism limits how many tasks "
+            f"run at once, not how many SLURM counts)")
+    return limits
+
+
+def array_chunks(num_points: int, max_array_size: int | None) -> list[range]:
+    """Consecutive slices of a group's points, one array each: at most ``max_array_size`` points
+    (array indices run 0..MaxArraySize-1), as few arrays as that allows."""
+    size = max_array_size if max_array_size else max(num_points, 1)
+    return [range(start, min(start + size, num_points)) for start in range(0, num_points, size)]
+
+
+def parallelism_share(array_parallelism: int, num_arrays: int) -> int:
+    """Each array's ``%N`` when a group is split: the arrays run side by side, so together they
+    keep to the group's array_parallelism (at least 1 each)."""
+    return max(array_parallelism // max(num_arrays, 1), 1)
+
+
+def _max_array_size(resources: Resources) -> int | None:
+    if resources.executor != "slurm":
+        return None  # local jobs: no array limit
+    return slurm_query.cluster_limits().max_array_size  # cached: asked once per process
+
+
 def check_partitions(points: Sequence[Point]) -> None:
     """One ``sinfo`` call: every partition a point names must exist."""
     wanted = {p.resources.params.get("partition") for p in points} - {None}
@@ -527,6 +578,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
                             sweep_dir) for i, overrides in enumerate(job_overrides)]
     if settings.executor == "slurm":
         check_partitions(points)
+        check_cluster_limits(len(points))
     _warn_ignored_resources(settings, points)
     wait = settings.wait if settings.wait is not None else _app_wait(points)
     try:
@@ -548,7 +600,8 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
 def _submit_and_wait(settings: LauncherSettings, registry: Registry, sweep_id: int,
                      points: Sequence[Point], sweep_dir: Path, wait: bool) -> list[JobReturn]:
     groups, folder = group_points(points), sweep_dir / SUBMITIT_FOLDER
-    log.info(f"Switchyard: sweep {sweep_id}: {len(points)} jobs in {len(groups)} "
+    num_arrays = sum(len(array_chunks(len(g), _max_array_size(g[0].resources))) for g in groups)
+    log.info(f"Switchyard: sweep {sweep_id}: {len(points)} jobs in {num_arrays} "
              f"{'array' if settings.executor == 'slurm' else 'group'}(s) -> {sweep_dir}")
     for p in points:
         log.info(f"\t#{p.num} : {' '.join(p.overrides)}")
@@ -604,9 +657,10 @@ def _submit_all(registry: Registry, sweep_id: int, groups: list[list[Point]], fo
             jobs = submit_array(registry, sweep_id, group[0].resources,
                                 {p.num: str(p.run_dir) for p in group}, folder)
         except Exception as e:
-            queued = f"; {len(launched)} jobs of sweep {sweep_id} were already queued " \
-                     f"(switchyard cancel {sweep_id})" if launched else ""
-            raise SweepError(f"submitting array {i + 1}/{len(groups)} ({group[0].name} and "
+            num_queued = len(launched) + len(e.queued if isinstance(e, SubmitError) else [])
+            queued = f"; {num_queued} jobs of sweep {sweep_id} were already queued " \
+                     f"(switchyard cancel {sweep_id})" if num_queued else ""
+            raise SweepError(f"submitting group {i + 1}/{len(groups)} ({group[0].name} and "
                              f"{len(group) - 1} more) failed: {e}{queued}") from e
         launched += [Launched(p, j) for p, j in zip(group, jobs, strict=True)]
     return sorted(launched, key=lambda item: item.point.num)
@@ -694,6 +748,9 @@ def resubmit_failed(registry: Registry, sweep_id: int) -> list[tuple[Job, str]]:
     """Every job of the sweep whose latest attempt failed, timed out or was cancelled, submitted
     again from its saved config as a new array per resource group: ``[(job, new id)]``."""
     sweep = registry.sweep(sweep_id)
+    if sweep.executor == "slurm":  # the retries must fit too, checked before any is claimed
+        latest = registry.latest_attempts(sweep_id).values()
+        check_cluster_limits(sum(a.state in RETRY_STATES for a in latest))
     claims = registry.claim_retries(sweep_id)
     jobs = {j.num: j for j in registry.jobs(sweep_id)}
     by_resources: dict[str, list[Job]] = {}
@@ -709,21 +766,40 @@ def resubmit_failed(registry: Registry, sweep_id: int) -> list[tuple[Job, str]]:
         except Exception as e:
             left = [claims[n] for n in claims if n not in {j.num for j, _ in out} | {j.num for j in group}]
             registry.fail_claims(left, "not submitted: an earlier array of this resubmission failed")
-            done = f" ({len(out)} jobs were resubmitted before it)" if out else ""
+            num_done = len(out) + len(e.queued if isinstance(e, SubmitError) else [])
+            done = f" ({num_done} jobs were resubmitted before it)" if num_done else ""
             raise SweepError(f"resubmitting {' '.join(j.ref for j in group)} failed: {e}{done}") from e
         out += [(j, str(sj.job_id)) for j, sj in zip(group, executor_jobs, strict=True)]
     return out
 
 
+class SubmitError(RuntimeError):
+    """sbatch refused one array of a group split at MaxArraySize; ``queued`` went out before it."""
+
+    def __init__(self, cause: Exception, queued: list[submitit.Job[Any]]) -> None:
+        super().__init__(str(cause))
+        self.queued = queued
+
+
 def _submit_claimed(registry: Registry, claims: dict[int, int], resources: Resources,
                     run_dirs: list[str], folder: Path) -> list[submitit.Job[Any]]:
+    """One sbatch per MaxArraySize points; each array confirmed in the registry as it is queued."""
     from orchestrator.launch.submit import RankEntry  # each rank's log starts with its rank and node name
 
-    try:
-        jobs = make_executor(resources, folder).map_array(RankEntry(run_point), run_dirs)
-    except Exception as e:
-        registry.fail_claims(claims.values(), str(e))
-        raise
-    registry.confirm(_submitted(a, j) for a, j in zip(claims.values(), jobs, strict=True))
+    attempt_ids = list(claims.values())
+    chunks = array_chunks(len(run_dirs), _max_array_size(resources))
+    share = parallelism_share(resources.array_parallelism, len(chunks))
+    executor = make_executor(replace(resources, array_parallelism=share), folder)
+    jobs: list[submitit.Job[Any]] = []
+    for chunk in chunks:
+        try:
+            part = executor.map_array(RankEntry(run_point), run_dirs[chunk.start:chunk.stop])
+        except Exception as e:
+            registry.fail_claims(attempt_ids[chunk.start:], str(e))  # this array and the ones after
+            if jobs:
+                raise SubmitError(e, jobs) from e
+            raise
+        registry.confirm(_submitted(a, j) for a, j in zip(attempt_ids[chunk.start:chunk.stop], part,
+                                                          strict=True))
+        jobs += part
     return jobs
-

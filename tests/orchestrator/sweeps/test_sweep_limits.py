@@ -1,0 +1,121 @@
+"""Sweeps larger than the cluster allows: a group with more points than MaxArraySize goes out as
+several arrays, and a sweep that does not fit under MaxJobCount is refused before anything is
+queued, naming the limit.
+
+scontrol, squeue and sbatch are small scripts first on PATH (tests/slurm_fakes.py) reporting
+small limits; tests/slurm/test_sweep_limits_on_slurm.py runs the same paths on the real cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from slurm_fakes import calls, fake_slurm, scontrol_config
+
+from orchestrator.launch import slurm_query
+from orchestrator.sweeps import launcher
+from orchestrator.sweeps.launcher import (
+    LauncherSettings,
+    SweepError,
+    array_chunks,
+    check_cluster_limits,
+    parallelism_share,
+    resources_for,
+)
+from orchestrator.sweeps.registry import SUBMIT_FAILED, SUBMITTED, Job, Registry
+
+
+@pytest.fixture(autouse=True)
+def fresh_cluster_limits() -> Iterator[None]:
+    """cluster_limits() is asked once per process: each test starts without the last one's answer."""
+    slurm_query.cluster_limits.cache_clear()
+    yield
+    slurm_query.cluster_limits.cache_clear()
+
+
+@given(st.integers(min_value=0, max_value=5000), st.integers(min_value=1, max_value=1200))
+def test_array_chunks_cover_every_point_once_in_the_fewest_arrays(num_points: int, size: int) -> None:
+    chunks = array_chunks(num_points, size)
+    assert [i for chunk in chunks for i in chunk] == list(range(num_points))
+    assert all(1 <= len(chunk) <= size for chunk in chunks)
+    assert len(chunks) == math.ceil(num_points / size)
+    assert array_chunks(num_points, None) == ([range(num_points)] if num_points else [])
+
+
+@given(st.integers(min_value=1, max_value=1000), st.integers(min_value=1, max_value=50))
+def test_split_arrays_share_the_groups_parallelism(parallelism: int, num_arrays: int) -> None:
+    share = parallelism_share(parallelism, num_arrays)
+    assert share >= 1
+    assert share * num_arrays <= max(parallelism, num_arrays)
+
+
+def test_a_sweep_split_over_max_array_size_goes_out_as_several_arrays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # sbatch: the array line of each script it is given, then a new job id (41, 42, ...).
+    log = fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(3, 10000), sbatch=(
+        f'grep -h -- "--array" "$1" >> {tmp_path / "arrays"}\n'
+        f'n=$(( $(wc -l < {tmp_path / "arrays"}) + 40 )); echo "Submitted batch job $n"'))
+    resources = resources_for(LauncherSettings(array_parallelism=4), None)
+    with Registry(tmp_path / "r.db") as reg:
+        sweep_id = reg.create_sweep("app", "x=1,2,3,4,5", str(tmp_path), "slurm", "entry")
+        reg.add_jobs(Job(sweep_id, n, [f"x={n}"], str(tmp_path / str(n)), {}, None) for n in range(5))
+        jobs = launcher.submit_array(reg, sweep_id, resources, {n: str(tmp_path / str(n)) for n in range(5)},
+                                     tmp_path / ".submitit" / "%j")
+        assert [str(j.job_id) for j in jobs] == ["41_0", "41_1", "41_2", "42_0", "42_1"]
+        assert (tmp_path / "arrays").read_text().split() == ["#SBATCH", "--array=0-2%2",
+                                                             "#SBATCH", "--array=0-1%2"]
+        latest = reg.latest_attempts(sweep_id)
+        assert [(latest[n].state, latest[n].slurm_id) for n in range(5)] == [
+            (SUBMITTED, "41_0"), (SUBMITTED, "41_1"), (SUBMITTED, "41_2"), (SUBMITTED, "42_0"),
+            (SUBMITTED, "42_1")]
+    assert len(calls(log, "scontrol")) == 1  # the limits: asked once
+
+
+def test_an_array_refused_after_another_was_queued_says_what_went_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(2, 10000), sbatch=(
+        f'echo x >> {tmp_path / "n"}\n'
+        f'if [ "$(wc -l < {tmp_path / "n"})" -gt 1 ]; then echo "sbatch: error: QOSMaxSubmitJobPerUserLimit"'
+        f' >&2; exit 1; fi\necho "Submitted batch job 41"'))
+    resources = resources_for(LauncherSettings(), None)
+    with Registry(tmp_path / "r.db") as reg:
+        sweep_id = reg.create_sweep("app", "", str(tmp_path), "slurm", "entry")
+        reg.add_jobs(Job(sweep_id, n, [], str(tmp_path / str(n)), {}, None) for n in range(5))
+        with pytest.raises(launcher.SubmitError, match="QOSMaxSubmitJobPerUserLimit") as refused:
+            launcher.submit_array(reg, sweep_id, resources, {n: str(tmp_path / str(n)) for n in range(5)},
+                                  tmp_path / ".submitit" / "%j")
+        assert [str(j.job_id) for j in refused.value.queued] == ["41_0", "41_1"]
+        assert [a.state for a in reg.latest_attempts(sweep_id).values()] == [
+            SUBMITTED, SUBMITTED, SUBMIT_FAILED, SUBMIT_FAILED, SUBMIT_FAILED]
+
+
+def test_more_jobs_than_max_job_count_leaves_room_for_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 jobs held by the controller (one of them an array task), MaxJobCount 10: 5 more fit
+    # (slurmctld refuses when held + new reaches MaxJobCount).
+    fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(1001, 10),
+               squeue='printf "11\\n12\\n13_0\\n14\\n"')
+    assert check_cluster_limits(5).max_job_count == 10
+    with pytest.raises(SweepError) as refused:
+        check_cluster_limits(6)
+    message = str(refused.value)
+    for part in ("6 jobs do not fit", "MaxJobCount=10", "holds 4 jobs", "5 more fit", "nothing was queued",
+                 "hydra.launcher.array_parallelism"):
+        assert part in message, message
+
+
+def test_limits_that_cannot_be_read_or_forbid_arrays_refuse_the_sweep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(0, 10000), squeue="true")
+    with pytest.raises(SweepError, match=r"disables job arrays \(MaxArraySize=0"):
+        check_cluster_limits(1)
+    slurm_query.cluster_limits.cache_clear()
+    fake_slurm(tmp_path, monkeypatch,
+               scontrol='echo "slurm_load_ctl_conf error: Unable to contact" >&2; exit 1')
+    with pytest.raises(SweepError, match=r"cannot read SLURM's limits .*Unable to contact"):
+        check_cluster_limits(1)
