@@ -23,12 +23,13 @@ it is built).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import xxhash
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -84,6 +85,10 @@ class Ddp:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
+    def build(self, builder: Callable[[], nn.Module]) -> nn.Module:
+        """The model, ready to train: ``builder()`` (seeded alike on every rank), wrapped."""
+        return self.wrap(builder())
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return runtime.wrap(model, self.rt)
 
@@ -112,6 +117,33 @@ class Fsdp(Ddp):
     def __init__(self, rt: Runtime, parallelism: ParallelismConfig, memory: MemoryConfig) -> None:
         super().__init__(rt)
         self.unit_classes, self.policy = list(parallelism.fsdp_units), mixed_precision(memory, parallelism)
+
+    def build(self, builder: Callable[[], nn.Module]) -> nn.Module:
+        """Only rank 0 builds the model's weights (on the host, seeded as under ddp, so both start
+        from the same weights); every rank builds its structure on the meta device, shards it,
+        allocates its own shards on its device and receives them from rank 0's copy, one tensor at
+        a time. A node's host memory holds the whole model once, not once per rank: 8 ranks of a 7B
+        model would otherwise need 8 x 28 GB of host RAM just to start.
+
+        A model with non-persistent buffers (not in its state dict, so rank 0 cannot send them) is
+        built whole on every rank instead."""
+        if self.rt.env.world_size == 1:
+            return self.wrap(builder())
+        full = builder().state_dict() if self.rt.is_main else {}
+        after = torch.get_rng_state()
+        with torch.device("meta"):
+            model = builder()
+        # every rank leaves with the random state one host build leaves, as every rank does under ddp
+        box = [after if self.rt.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        torch.set_rng_state(cast(torch.Tensor, box[0]))
+        if _non_persistent_buffers(model):
+            return self.wrap(builder())
+        self.wrap(model)
+        model.to_empty(device=self.rt.device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                   broadcast_from_rank0=True))
+        return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if isinstance(model, nn.DataParallel):
@@ -145,6 +177,10 @@ class Fsdp(Ddp):
 
 
 Strategy = Ddp | Fsdp
+
+
+def _non_persistent_buffers(model: nn.Module) -> bool:
+    return any(module._non_persistent_buffers_set for module in model.modules())
 
 
 def for_run(rt: Runtime, parallelism: ParallelismConfig, memory: MemoryConfig) -> Strategy:

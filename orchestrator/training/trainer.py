@@ -397,7 +397,7 @@ class Trainer:
         runtime.seed_everything(cfg.seed, rt.env.rank)
         features = feature_count(self.train_ds, cfg.data.input_field)
         self.strategy = strategy.for_run(rt, cfg.parallelism, cfg.memory)
-        self.model = self.strategy.wrap(build_model(cfg.model, features, num_classes, cfg.memory))
+        self.model = self.strategy.build(lambda: build_model(cfg.model, features, num_classes, cfg.memory))
         self.strategy.settle(self.model, torch.zeros(1, 1, features, device=rt.device),
                              torch.ones(1, 1, dtype=torch.bool, device=rt.device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)

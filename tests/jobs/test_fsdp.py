@@ -197,3 +197,40 @@ def test_an_fsdp_rank_killed_mid_run_fails_the_job_naming_it(tmp_path: Path) -> 
             proc.communicate()
     assert proc.returncode != 0
     assert "rank 1" in out + err and "SIGKILL" in out + err, (out + err)[-3000:]
+
+
+BUILD_LOGGING_MODEL = '''
+import os
+from pathlib import Path
+
+from jobs.models import RowPoolingMLP
+
+
+class Net(RowPoolingMLP):
+    """The built-in MLP, noting where each build put its weights: <pid>-<device type>."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        (Path(os.environ["BUILD_LOG"]) / f"{os.getpid()}-{self.head.weight.device.type}").touch()
+'''
+
+
+def test_only_rank_0_holds_the_whole_model_on_the_host(tmp_path: Path) -> None:
+    """The other ranks build on the meta device and receive their shards: 4 ranks of a node hold the
+    weights once in host memory, not 4 times. The same weights as ddp's (see the ddp comparison)."""
+    (tmp_path / "build_logging.py").write_text(BUILD_LOGGING_MODEL)
+    (tmp_path / "builds").mkdir()
+    env = {**os.environ, "BUILD_LOG": str(tmp_path / "builds"),
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.train", *SMALL, "model=custom", "model._target_=build_logging.Net",
+         "parallelism.strategy=fsdp", "parallelism.procs_per_node=4", "optim.max_steps=2",
+         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=600, env=env)
+    ok(proc)
+    ranks = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())["pid"]
+             for p in (tmp_path / "run" / "telemetry" / "ranks").glob("rank-*.json")}
+    builds = {tuple(p.name.split("-")) for p in (tmp_path / "builds").iterdir()}
+    on_host = sorted(int(pid) for pid, device in builds if device == "cpu")
+    assert on_host == [ranks[0]], f"weights built on the host by {on_host}; ranks: {ranks}"
+    assert all((str(ranks[r]), "meta") in builds for r in range(4))
