@@ -14,10 +14,9 @@ the mixed-precision policy (``mixed_precision``) casts parameters and inputs. Ch
 too: ddp's rank 0 writes one file (``checkpoint``), fsdp's ranks each write their shards
 (``sharded_checkpoint``); ``is_sharded`` picks.
 
-On a GPU the mesh is the rank's CUDA device, so all-gathers and reduce-scatters run over NCCL; the
-model may be built on the CPU: ``fully_shard`` moves each unit to the device as it shards it, so a
-GPU never holds more than one unit's full parameters (the host holds the model once per rank while
-it is built).
+On a GPU the mesh is the rank's CUDA device, so all-gathers and reduce-scatters run over NCCL.
+Only rank 0 builds the weights on the host (``Fsdp.build``); the others build on the meta device
+and receive their shards, so a GPU only ever allocates its shards and one unit being gathered.
 """
 
 from __future__ import annotations
