@@ -5,7 +5,9 @@
 3. peak GPU memory of each memory option on one transformer (1024 wide, 8 layers, batch 64 of up
    to 512 rows): none, bf16, fp16, activation checkpointing, both, grad accumulation;
 4. a resume: a run stopped at step 20 continued in place to step 40;
-5. ``bench/train_bench.py --device cuda`` for mlp and transformer at batch 256 with 4 workers.
+5. ``bench/train_bench.py --device cuda`` for mlp and transformer at batch 256 with 4 workers;
+6. ``parallelism.strategy=fsdp`` on every GPU (bf16): a run, a resume, and ``bench/fsdp_bench.py
+   --device cuda`` (model state and peak allocated per rank, ddp vs fsdp, 1024 wide, 8 layers).
 
 It needs only what a GPU node has: a python with torch, and the pure-Python packages from a local
 folder (``make gpu-deps`` fills ``.gpu-deps`` where a package index is reachable; copy it over).
@@ -135,6 +137,28 @@ def train_bench(c: Check, quick: bool) -> None:
         c.row(f"train_bench {model}, batch 256, 4 workers", "ok", " ".join(table[2:]))
 
 
+def fsdp(c: Check, gpus: int) -> None:
+    common = ["cluster=local", f"parallelism.gpus_per_node={gpus}", "parallelism.strategy=fsdp",
+              "memory.amp=bf16", "checkpoint.every_steps=10"]
+    first, _, run_dir = c.train("fsdp", *common, "optim.max_steps=20")
+    if first.returncode != 0:
+        return c.failed("fsdp run", first)
+    shards = len(list((run_dir / "checkpoints" / "step-000000020.dcp").glob("*.distcp")))
+    again, summary, _ = c.train("fsdp", *common, "optim.max_steps=30", run_dir=run_dir)
+    if summary is None:
+        return c.failed("fsdp resume", again)
+    good = summary["steps"] == 30 and summary["resumed_from"] is not None and shards == gpus
+    c.row(f"fsdp on {gpus} GPU(s), bf16", "ok" if good else "FAILED",
+          f"{shards} shards at step 20, resumed_from {summary['resumed_from']}, peak {peak_gib(summary)}")
+    worlds = [str(w) for w in (1, 2, 4, 8) if w <= gpus]
+    proc = c.run([sys.executable, "bench/fsdp_bench.py", "--device", "cuda", "--d-model", "1024",
+                  "--layers", "8", "--worlds", *worlds])
+    if proc.returncode != 0:
+        return c.failed("fsdp_bench", proc)
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    c.row("fsdp_bench, 1024 wide, 8 layers", "ok", " ".join(table[2:]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,7 +173,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="switchyard-gpu-check-") as tmp:
         c = Check(Path(tmp))
         for step in (gpu_tests, lambda c: modes(c, gpus), memory_options, resume,
-                     lambda c: train_bench(c, args.quick)):
+                     lambda c: train_bench(c, args.quick), lambda c: fsdp(c, gpus)):
             step(c)
     print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}\n")
     print("| check | result | detail |\n|---|---|---|")
