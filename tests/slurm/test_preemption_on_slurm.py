@@ -143,3 +143,27 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) 
     assert "skipped unreadable checkpoint step-000000020.pt" in logs
     assert "resumed from" in logs and "at step 10" in logs
     assert summary(tmp_path / "run")["steps"] == 30
+
+
+def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path) -> None:
+    """fsdp under SLURM's time-limit signal: every rank writes its shard, rank 0 requeues, and the
+    job resumed from the sharded checkpoint ends with the weights of a run never interrupted."""
+    fsdp = ["parallelism.strategy=fsdp", "optim.max_steps=60"]
+    reference = train(tmp_path, "reference", *fsdp)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    job_id = submit_without_waiting(tmp_path, "run", *fsdp)
+    try:
+        wait_for_step(run_dir, 15)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        release_requeue_hold(job_id)
+        states = slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert states[job_id] == "COMPLETED", all_logs(run_dir)[-3000:]
+    logs = all_logs(run_dir)
+    assert f"requeued job {job_id}" in logs and "resumed from" in logs and ".dcp at step" in logs
+    resumed, uninterrupted = summary(run_dir), summary(tmp_path / "reference")
+    assert resumed["steps"] == uninterrupted["steps"] == 60
+    assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
+    assert resumed["samples_per_rank"] == uninterrupted["samples_per_rank"]
