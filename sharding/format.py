@@ -14,6 +14,7 @@ the two cannot disagree about an offset. Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -353,10 +354,18 @@ def new_hasher() -> xxhash.xxh3_64:
 
 
 def read_buffer() -> memoryview:
-    """This thread's reusable 8 MiB read buffer (callers must not keep views across calls)."""
+    """This thread's reusable 8 MiB read buffer (callers must not keep views across calls).
+
+    An anonymous map on 2 MiB pages where the kernel allows: reads into a reused bytearray ran
+    at a third of the speed (2.3 GB/s against 7.5 GB/s from the page cache here), the copy
+    paying a TLB miss per 4 KiB page.
+    """
     buf: memoryview | None = getattr(_BUFFERS, "view", None)
     if buf is None:
-        buf = _BUFFERS.view = memoryview(bytearray(_HASH_CHUNK_BYTES))
+        region = mmap.mmap(-1, _HASH_CHUNK_BYTES)
+        with contextlib.suppress(AttributeError, OSError):  # no THP: still correct, slower
+            region.madvise(mmap.MADV_HUGEPAGE)
+        buf = _BUFFERS.view = memoryview(region)
     return buf
 
 

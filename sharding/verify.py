@@ -95,10 +95,12 @@ def _figure_fields(manifest: Manifest) -> tuple[list[str], list[str]]:
 class _QuickLayout(NamedTuple):
     """What the quick path needs of the schema, worked out once per verify, not per shard."""
 
-    leading_slot: np.ndarray  # int64 [F, 1]: each field's leading-size array, or 0 for a scalar
+    leading_slot: np.ndarray  # int64 [F]: each field's leading-size array, or 0 for a scalar
     is_scalar: np.ndarray  # bool [F, 1]
-    row_bytes: np.ndarray  # int64 [F, 1], bytes per leading row (a scalar's itemsize)
-    leading_figures: list[tuple[str, int]]  # (field, its leading-size array) with a recorded range
+    row_bytes: np.ndarray  # int64 [F, 1], bytes per leading row, at least 1
+    no_rows: np.ndarray | None  # bool [F, 1], fields whose rows take no bytes; None if none
+    leading_names: list[str]  # fields with a recorded leading-size range
+    leading_slots: np.ndarray  # int64 [L], their leading-size arrays
     value_figures: list[tuple[str, int, np.dtype[Any]]]  # (field, number, dtype) with a range
 
 
@@ -108,13 +110,19 @@ def _quick_layout(manifest: Manifest) -> _QuickLayout:
     slot = {name: len(schema) + k for k, name in enumerate(variable)}
     leading, values = _figure_fields(manifest)
     numbers = {name: k for k, name in enumerate(schema)}
+    row_bytes = np.array([[spec.row_bytes] for spec in schema.values()], dtype=np.int64)
     return _QuickLayout(
-        np.array([[slot.get(name, 0)] for name in schema], dtype=np.int64),
+        np.array([slot.get(name, 0) for name in schema], dtype=np.int64),
         np.array([[spec.is_scalar] for spec in schema.values()], dtype=np.bool_),
-        np.array([[spec.row_bytes] for spec in schema.values()], dtype=np.int64),
-        [(name, slot[name]) for name in leading],
+        np.maximum(row_bytes, 1),
+        (row_bytes == 0) if (row_bytes == 0).any() else None,
+        leading,
+        np.array([slot[name] for name in leading], dtype=np.int64),
         [(name, numbers[name], schema[name].np_dtype) for name in values],
     )
+
+
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _quick_shard(dir_fd: int, info: ShardInfo, layout: _QuickLayout, head: bytes | None
@@ -122,52 +130,57 @@ def _quick_shard(dir_fd: int, info: ShardInfo, layout: _QuickLayout, head: bytes
     """Every check _verify_shard makes, and the shard's figures, from one read of each file
     into this thread's buffer: no map, Path or decoded header per shard, and one vectorised
     bounds check over all fields, so many small shards verify at the speed of their bytes. None
-    when the shard needs the full check, which then names the problem: a file over the
-    buffer's 8 MiB, or anything that differs."""
+    when the shard needs the full check, which then names the problem: a file over half the
+    buffer (4 MiB), or anything that differs."""
     buf = read_buffer()
-    index = None if head is None else _read_whole(dir_fd, info.index_file, info.index_bytes, buf)
+    half = len(buf) // 2  # the index in the first half, the data in the second: both stay
+    index = None if head is None else _read_whole(dir_fd, info.index_file, info.index_bytes, buf[:half])
     if head is None or index is None or index[:len(head)] != head or _xxh3(index) != info.index_xxh3_64:
         return None
-    num, size = info.num_samples, info.data_bytes
-    found: Figures = {}
-    if num:
-        arrays = np.frombuffer(index, OFFSET_DTYPE, offset=len(head)).reshape(-1, num)  # [A, num]
-        offsets = arrays[:len(layout.is_scalar)].copy()  # int64 [F, num]
-        rows = np.where(layout.is_scalar, 1, arrays[layout.leading_slot[:, 0]])  # int64 [F, num]
-        # reader.check_bounds for every field at once (rows compared, never multiplied: a corrupt
-        # leading size could overflow offset + rows * row_bytes into an in-bounds-looking value).
-        bad = (offsets < 0) | (offsets > size) | (offsets & 7 != 0) | (rows < 0)
-        bad |= (layout.row_bytes > 0) & (rows > (size - offsets) // np.maximum(layout.row_bytes, 1))
-        if bad.any():
-            return None
-        for name, slot in layout.leading_figures:
-            found[name] = (int(arrays[slot].min()), int(arrays[slot].max()))
-    else:
-        offsets = np.zeros((len(layout.is_scalar), 0), dtype=np.int64)
-        found.update((name, None) for name, _ in layout.leading_figures)
-    data = _read_whole(dir_fd, info.data_file, size, buf)
+    data = _read_whole(dir_fd, info.data_file, info.data_bytes, buf[half:])
     if data is None or _xxh3(data) != info.data_xxh3_64:
         return None
+    num, size = info.num_samples, info.data_bytes
+    if not num:
+        return dict.fromkeys([*layout.leading_names, *(name for name, _, _ in layout.value_figures)])
+    arrays = np.frombuffer(index, OFFSET_DTYPE, offset=len(head)).reshape(-1, num)  # [A, num]
+    offsets = arrays[:len(layout.is_scalar)]  # int64 [F, num]
+    rows = np.where(layout.is_scalar, 1, arrays[layout.leading_slot])  # int64 [F, num]
+    # reader._check_bounds for every field at once. Viewed unsigned, a negative offset or row
+    # count is huge, so one comparison each; rows are compared, never multiplied (a corrupt
+    # leading size could overflow offset + rows * row_bytes into an in-bounds-looking value).
+    room = (size - offsets) // layout.row_bytes  # int64 [F, num], rows that fit after offset
+    if layout.no_rows is not None:
+        room = np.where(layout.no_rows, _INT64_MAX, room)
+    inside = offsets.view(np.uint64) <= np.uint64(size)
+    inside &= (offsets & 7) == 0
+    inside &= rows.view(np.uint64) <= room.view(np.uint64)  # room >= 0 wherever offset is inside
+    if not inside.all():
+        return None
+    found: Figures = {}
+    if layout.leading_names:
+        picked = arrays[layout.leading_slots]  # int64 [L, num]
+        lows, highs = picked.min(axis=1).tolist(), picked.max(axis=1).tolist()
+        found.update(zip(layout.leading_names, zip(lows, highs, strict=True), strict=True))
     for name, number, dtype in layout.value_figures:
         values = np.frombuffer(data, dtype, count=size // dtype.itemsize)
-        picked = values[offsets[number] // dtype.itemsize]  # [num]
-        found[name] = (int(picked.min()), int(picked.max())) if num else None
+        chosen = values[offsets[number] // dtype.itemsize]  # [num]
+        found[name] = (int(chosen.min()), int(chosen.max()))
     return found
 
 
 def _read_whole(dir_fd: int, name: str, size: int, buf: memoryview) -> memoryview | None:
-    """The file's bytes, read into buf, if it has exactly `size` bytes and they fit."""
-    if size > len(buf):
+    """The file's bytes, read into buf, if it has exactly `size` bytes and they fit (one byte
+    more is asked for, so a longer file shows without a stat)."""
+    if size >= len(buf):
         return None
     try:
         fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != size:
-            return None
         done = 0
-        while done < size and (num_read := os.readv(fd, [buf[done:size]])):
+        while done <= size and (num_read := os.readv(fd, [buf[done:size + 1]])):
             done += num_read
         return buf[:size] if done == size else None
     except OSError:
