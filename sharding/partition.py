@@ -346,7 +346,7 @@ def _shard_order(counts: IntArray, *, epoch: int, seed: int, shuffle: bool) -> I
     """Shard ids in the order the epoch lays them out: int64 [S]."""
     if not shuffle:
         return np.arange(counts.size, dtype=np.int64)
-    return _rng(seed, epoch, _TAG_SHARD_ORDER).permutation(counts.size).astype(np.int64)
+    return _rng(seed, epoch, _TAG_SHARD_ORDER).permutation(counts.size).astype(np.int64, copy=False)
 
 
 def epoch_order(
@@ -480,10 +480,11 @@ class EpochRemainder:
         _check_seed_epoch_policy(seed, epoch, policy)
         self.epoch, self.seed, self.policy, self.shuffle = epoch, seed, policy, shuffle
         self._visit_order = visit_order
-        self._layout = _EpochLayout(counts, epoch=epoch, seed=seed, shuffle=shuffle)
+        self._counts = counts  # int64 [S]
+        self._built_layout: _EpochLayout | None = None  # made on the first lookup: counts need none
         self._stretches: list[_Stretch] = []
         self._last_mask: tuple[tuple[int, int], BoolArray] = ((-1, -1), np.empty(0, np.bool_))
-        size = self._layout.num_samples
+        size = int(counts.sum())
         if segments:
             _check_enough_for_drop(size, int(segments[0][0]), policy)
         for index, segment in enumerate(segments):
@@ -492,6 +493,14 @@ class EpochRemainder:
             self._stretches.append(stretch)
             size = int(stretch.left_ends[-1])
         self.num_samples = size  # samples left in the epoch
+
+    @property
+    def _layout(self) -> _EpochLayout:
+        if self._built_layout is None:
+            self._built_layout = _EpochLayout(
+                self._counts, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle
+            )
+        return self._built_layout
 
     def entries_per_rank(self, world_size: int) -> int:
         """Entries every rank gets when what is left is split over world_size."""
