@@ -28,7 +28,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,10 @@ class Attempt:
     error: str | None
     log_dir: str | None
     updated_at: float
+
+
+# The attempts table's columns in Attempt's field order: rows build Attempts by position.
+_ATTEMPT_COLUMNS = ", ".join(f"a.{f.name}" for f in fields(Attempt))
 
 
 @dataclass(frozen=True)
@@ -400,8 +404,12 @@ class Registry:
                                 f"`switchyard status` lists them)")
         return Sweep(**dict(row))
 
-    def jobs(self, sweep_id: int) -> list[Job]:
-        rows = self._db.execute("SELECT * FROM jobs WHERE sweep_id = ? ORDER BY num", (sweep_id,))
+    def jobs(self, sweep_id: int, resources: bool = True) -> list[Job]:
+        """The sweep's jobs in order; ``resources=False`` leaves each job's resources unread
+        (``{}``): views that never show them skip decoding 10,000 JSON objects."""
+        rows = self._db.execute(f"SELECT sweep_id, num, overrides, run_dir, "
+                                f"{'resources' if resources else _NO_RESOURCES}, total_steps "
+                                f"FROM jobs WHERE sweep_id = ? ORDER BY num", (sweep_id,))
         return [_job(r) for r in rows]
 
     def job(self, sweep_id: int, num: int) -> Job:
@@ -413,14 +421,14 @@ class Registry:
         return _job(row)
 
     def attempts(self, sweep_id: int, num: int | None = None) -> list[Attempt]:
-        query, args = "SELECT * FROM attempts WHERE sweep_id = ?", [sweep_id]
+        query, args = f"SELECT {_ATTEMPT_COLUMNS} FROM attempts a WHERE sweep_id = ?", [sweep_id]
         if num is not None:
             query, args = query + " AND num = ?", [*args, num]
-        return [Attempt(**dict(r)) for r in self._db.execute(query + " ORDER BY num, attempt", args)]
+        return [Attempt(*r) for r in self._db.execute(query + " ORDER BY num, attempt", args)]
 
     def latest_attempts(self, sweep_id: int) -> dict[int, Attempt]:
         rows = self._db.execute(_LATEST_ATTEMPTS, (sweep_id,))
-        return {r["num"]: Attempt(**dict(r)) for r in rows}
+        return {r[2]: Attempt(*r) for r in rows}  # r[2]: num
 
     def count_jobs(self, sweep_id: int) -> int:
         row = self._db.execute("SELECT COUNT(*) FROM jobs WHERE sweep_id = ?", (sweep_id,)).fetchone()
@@ -428,12 +436,12 @@ class Registry:
 
     def results(self, sweep_id: int, num: int | None = None) -> dict[int, Result]:
         """The kept results of this sweep's attempts (or one job's): ``{attempt id: Result}``."""
-        query, args = ("SELECT r.* FROM results r JOIN attempts a ON a.id = r.attempt_id "
-                       "WHERE a.sweep_id = ?"), [sweep_id]
+        query, args = ("SELECT r.attempt_id, r.step, r.loss, r.peak_bytes, r.flags, r.memory FROM "
+                       "results r JOIN attempts a ON a.id = r.attempt_id WHERE a.sweep_id = ?"), [sweep_id]
         if num is not None:
             query, args = query + " AND a.num = ?", [*args, num]
-        return {r["attempt_id"]: Result(r["step"], r["loss"], r["peak_bytes"], json.loads(r["flags"]),
-                                        r["memory"]) for r in self._db.execute(query, args)}
+        return {attempt_id: Result(step, loss, peak, [] if flags == "[]" else json.loads(flags), memory)
+                for attempt_id, step, loss, peak, flags, memory in self._db.execute(query, args)}
 
     def keep_results(self, results: Iterable[tuple[Attempt, Result]]) -> None:
         """Keep what ended attempts left, each only if its attempt is still as it was read (an
@@ -457,7 +465,7 @@ class Registry:
         with their run directory and executor; job rows are not decoded."""
         final = ",".join("?" * len(FINAL_STATES))
         requeuable = ",".join("?" * len(REQUEUABLE_STATES))
-        query = (f"SELECT a.*, j.run_dir AS run_dir, s.executor AS executor FROM attempts a "
+        query = (f"SELECT {_ATTEMPT_COLUMNS}, j.run_dir, s.executor FROM attempts a "
                  f"JOIN jobs j USING (sweep_id, num) JOIN sweeps s ON s.id = a.sweep_id "
                  f"WHERE a.state NOT IN ({final}) AND "
                  f"(a.state NOT IN ({requeuable}) OR a.updated_at > ?)")
@@ -469,12 +477,7 @@ class Registry:
         if nums is not None:
             query += f" AND a.num IN ({','.join('?' * len(nums))})"
             args += list(nums)
-        out = []
-        for r in self._db.execute(query, args):
-            row = dict(r)
-            run_dir, executor = row.pop("run_dir"), row.pop("executor")
-            out.append(Unsettled(Attempt(**row), run_dir, executor))
-        return out
+        return [Unsettled(Attempt(*r[:-2]), r[-2], r[-1]) for r in self._db.execute(query, args)]
 
 
 @dataclass(frozen=True)
@@ -486,14 +489,18 @@ class Unsettled:
 
 # One sweep's latest attempt per job (argument: the sweep id). The sweep is picked inside the
 # grouping, so its cost follows this sweep's attempts, not the whole registry's.
-_LATEST_ATTEMPTS = ("SELECT a.* FROM attempts a JOIN (SELECT sweep_id, num, MAX(attempt) AS attempt "
-                    "FROM attempts WHERE sweep_id = ? GROUP BY sweep_id, num) last "
-                    "USING (sweep_id, num, attempt)")
+_LATEST_ATTEMPTS = (f"SELECT {_ATTEMPT_COLUMNS} FROM attempts a JOIN (SELECT sweep_id, num, "
+                    "MAX(attempt) AS attempt FROM attempts WHERE sweep_id = ? GROUP BY sweep_id, num) "
+                    "last USING (sweep_id, num, attempt)")
+
+
+_NO_RESOURCES = "'{}' AS resources"
 
 
 def _job(row: sqlite3.Row) -> Job:
+    resources = row["resources"]
     return Job(sweep_id=row["sweep_id"], num=row["num"], overrides=json.loads(row["overrides"]),
-               run_dir=row["run_dir"], resources=json.loads(row["resources"]),
+               run_dir=row["run_dir"], resources={} if resources == "{}" else json.loads(resources),
                total_steps=row["total_steps"])
 
 
@@ -538,8 +545,11 @@ class TaskStatus:
 
     @classmethod
     def read(cls, run_dir: str | Path, job_id: str) -> TaskStatus | None:
+        # os.path, not pathlib: reconciliation reads one per unsettled attempt, thousands per call
+        path = os.path.join(run_dir, ".switchyard", "attempts", f"{job_id}.json")
         try:
-            return cls(**json.loads(cls.path(run_dir, job_id).read_text()))
+            with open(path, "rb") as f:
+                return cls(**json.loads(f.read()))
         except (OSError, ValueError, TypeError):
             return None
 

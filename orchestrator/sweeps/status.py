@@ -23,6 +23,8 @@ from typing import IO, Any, cast
 from orchestrator.launch import local_jobs
 from orchestrator.sweeps.registry import (
     RETRY_STATES,
+    SUBMITTED,
+    SUBMITTING,
     TERMINAL_STATES,
     Attempt,
     Job,
@@ -140,9 +142,8 @@ class JobRow:
 def last_metrics(run_dir: str) -> dict[str, Any] | None:
     """The last complete training line of RUN/metrics.jsonl (the trainer appends one per log step,
     and one per evaluation)."""
-    path = Path(run_dir) / "metrics.jsonl"
     try:
-        with open(path, "rb") as f:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
             f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
             lines = f.read().splitlines()
     except OSError:
@@ -169,14 +170,28 @@ def read_result(run_dir: str) -> Result:
                   json.dumps(memory) if memory else None)
 
 
+_NO_RESULT = Result(None, None, None, [], None)
+_NOT_STARTED = frozenset({SUBMITTING, SUBMITTED, "PENDING"})
+
+
+def _has_not_run(attempt: Attempt | None) -> bool:
+    """A job's first attempt, queued and never started: its run directory holds nothing yet, so
+    a 10,000-job sweep still pending opens no files. A queued retry is read: it resumes from
+    what the run directory holds, and that progress is what status shows."""
+    return attempt is not None and attempt.attempt == 1 and attempt.state in _NOT_STARTED \
+        and attempt.started_at is None and attempt.requeues == 0
+
+
 def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[JobRow]:
     """Each job (or job ``num``) with its latest attempt and what its run directory shows.
 
     An attempt that has ended is read from its files once; its result is kept in the registry and
-    later calls read that instead (a requeue or correction of the attempt drops it).
+    later calls read that instead (a requeue or correction of the attempt drops it). A first
+    attempt still queued has nothing to read yet.
     """
     if num is None:
-        jobs, latest = registry.jobs(sweep_id), registry.latest_attempts(sweep_id)
+        jobs = registry.jobs(sweep_id, resources=False)  # not shown: not decoded
+        latest = registry.latest_attempts(sweep_id)
     else:
         attempts = registry.attempts(sweep_id, num)
         jobs, latest = [registry.job(sweep_id, num)], ({num: attempts[-1]} if attempts else {})
@@ -185,7 +200,9 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
     for job in jobs:
         attempt = latest.get(job.num)
         result = kept.get(attempt.id) if attempt else None
-        if result is None:
+        if result is None and _has_not_run(attempt):
+            result = _NO_RESULT
+        elif result is None:
             result = read_result(job.run_dir)
             if attempt is not None and attempt.state in TERMINAL_STATES:
                 ended.append((attempt, result))
@@ -198,11 +215,12 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
 def job_memory(run_dir: str) -> dict[str, Any] | None:
     """The run's memory section: from summary.json once it ended, else from its telemetry so far."""
     try:
-        memory = json.loads((Path(run_dir) / "summary.json").read_text()).get("memory")
+        with open(os.path.join(run_dir, "summary.json"), "rb") as f:
+            memory = json.loads(f.read()).get("memory")
         return memory if isinstance(memory, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         pass
-    if not telemetry_dir(Path(run_dir)).is_dir():
+    if not os.path.isdir(telemetry_dir(Path(run_dir))):
         return None
     try:
         return summarize(Path(run_dir))
@@ -247,9 +265,9 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     for n, row in enumerate(rows):
-        paint_row = painters[n] if painters else {}
-        cells = [paint_row.get(i, lambda t: t)(cell.ljust(w))
-                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=True)]
+        for i, painter in (painters[n] if painters else {}).items():
+            cells[i] = painter(cells[i])
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
@@ -290,8 +308,9 @@ def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str =
                       f"{r.loss:.4f}" if r.loss is not None else "-", peak_memory_text(r.result),
                       format_duration(r.runtime_s(now)),
                       " ".join(overrides[r.job.num]) or "-"])
-        painters.append({1: paint(state, colour)})
-    return render_table(headers, cells, painters)
+        if colour:
+            painters.append({1: paint(state, colour)})
+    return render_table(headers, cells, painters or None)
 
 
 def sweep_summary(registry: Registry, sweep: Sweep, rows: Sequence[JobRow] | None = None

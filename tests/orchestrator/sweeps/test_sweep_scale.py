@@ -224,3 +224,25 @@ def test_a_failed_slurm_query_is_a_warning_and_changes_nothing(tmp_path: Path,
         out = io.StringIO()
         cmd_show(reg, "1/0", as_json=False, out=out)
         assert "warning: SLURM did not answer, so 1 job(s)" in out.getvalue()
+
+
+def test_a_queued_first_attempt_opens_no_files_and_a_queued_retry_shows_its_progress(
+        ended_sweep: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_slurm(tmp_path, monkeypatch, sacct="true")
+    status_text(ended_sweep)  # sweep 1's ended attempts: read once and kept
+    read: list[str] = []
+    read_result = status.read_result
+
+    def counted(run_dir: str) -> Result:
+        read.append(run_dir)
+        return read_result(run_dir)
+
+    monkeypatch.setattr(status, "read_result", counted)
+    slurm_sweep(ended_sweep, tmp_path / "queued", 3)  # sweep 2: three first attempts, queued
+    assert [r[1:3] for r in table(status_text(ended_sweep, "2")).values()] == [[SUBMITTED, "1"]] * 3
+    assert read == []
+    retry = ended_sweep.claim_retries(1)[1]  # job 1 failed: resubmitted, not started yet
+    ended_sweep.confirm([Submitted(retry, "200_0", "200", 0, str(tmp_path / "logs"))])
+    row = table(status_text(ended_sweep))["1/1"]
+    assert row[1:3] == [SUBMITTED, "2"] and row[6] == "11/20"  # where the retry resumes from
+    assert read == [str(tmp_path / "1")]
