@@ -37,7 +37,7 @@ from orchestrator.sweeps.registry import (
     default_path,
     reconcile,
 )
-from orchestrator.telemetry.files import telemetry_dir
+from orchestrator.telemetry.files import read_end_summary, telemetry_dir
 from orchestrator.telemetry.summary import format_summary, summarize
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
@@ -212,14 +212,23 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
     return rows
 
 
+def keep_ended_results(registry: Registry, sweep_id: int) -> None:
+    """Read what each ended job of the sweep left, once, into the registry (about 0.1 ms per job:
+    a blocking sweep does it as it ends, so its first ``status`` reads no job files)."""
+    job_rows(registry, sweep_id)
+
+
 def job_memory(run_dir: str) -> dict[str, Any] | None:
-    """The run's memory section: from summary.json once it ended, else from its telemetry so far."""
+    """The run's memory section: from summary.json once it ended, from what rank 0 summarised as
+    it failed, else from its telemetry so far (a run still going, or one killed outright)."""
     try:
         with open(os.path.join(run_dir, "summary.json"), "rb") as f:
             memory = json.loads(f.read()).get("memory")
         return memory if isinstance(memory, dict) else None
     except (OSError, ValueError, AttributeError):
         pass
+    if (memory := read_end_summary(run_dir)) is not None:
+        return memory
     if not os.path.isdir(telemetry_dir(Path(run_dir))):
         return None
     try:

@@ -35,7 +35,12 @@ from orchestrator import atomic
 from orchestrator.config import ConfigError, DataConfig, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.launch import dist_env, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
-from orchestrator.telemetry.files import record_rank_peak, register_rank
+from orchestrator.telemetry.files import (
+    clear_end_summary,
+    record_rank_peak,
+    register_rank,
+    write_end_summary,
+)
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
@@ -711,6 +716,8 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     report = preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size)
     print(report.describe(), flush=True)
     register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)
+    if env.is_main:
+        clear_end_summary(run)
     sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
@@ -731,5 +738,18 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
             for flag in summary["memory"]["flags"]:
                 print(f"memory warning: {flag}", flush=True)
         return summary
+    except Exception:
+        if env.is_main and cfg.telemetry.enabled:
+            keep_end_summary(run)
+        raise
     finally:
         runtime.stop()
+
+
+def keep_end_summary(run: Path) -> None:
+    """Rank 0 of a failing run: its memory section, summarised once for ``switchyard status``.
+    Never raises: the run's own error is what the job reports."""
+    try:
+        write_end_summary(run, summarize(run))
+    except Exception as e:
+        print(f"could not summarise the telemetry at the failure: {type(e).__name__}: {e}", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,49 @@ def test_a_damaged_shard_met_while_scanning_labels_is_one_error(tmp_path: Path) 
     assert proc.stderr.strip().startswith(f"error: data.path='{path}' cannot be read: shard 0 ({index}): "
                                           f"field 'y' of local sample 0 lies outside the ")
     assert not (tmp_path / "run" / "submitit").exists()
+
+
+FAILING_MODEL = '''
+import time
+
+from jobs.models import RowPoolingMLP
+
+
+class Net(RowPoolingMLP):
+    """The built-in MLP, failing at its 8th forward pass (after the sampler has recorded some)."""
+
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        Net.calls += 1
+        if Net.calls == 8:
+            raise RuntimeError("step 8 failed on purpose")
+        time.sleep(0.05)
+        return super().forward(*args, **kwargs)
+'''
+
+
+def test_a_failing_run_leaves_its_memory_summary_for_status(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 summarises the telemetry once as the run fails, so `switchyard status` of thousands
+    of failed jobs reads one small file each instead of every job's samples; a rerun clears it."""
+    from orchestrator.sweeps import status
+
+    (tmp_path / "failing.py").write_text(FAILING_MODEL)
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    proc = train(tmp_path, "model=custom", "model._target_=failing.Net", "telemetry.interval_s=0.05")
+    assert proc.returncode != 0 and "step 8 failed on purpose" in proc.stdout + proc.stderr
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "summary.json").exists()
+    kept = json.loads((run_dir / "telemetry" / "end-summary.json").read_text())
+    assert kept["mode"] == "cpu" and sorted(r["rank"] for r in kept["ranks"]) == [0, 1]
+
+    def never(run: Path) -> None:
+        raise AssertionError(f"summarised {run} again")
+
+    monkeypatch.setattr(status, "summarize", never)
+    assert status.job_memory(str(run_dir)) == kept
+    rerun = train(tmp_path, "telemetry.interval_s=0.05", "optim.max_steps=2")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not (run_dir / "telemetry" / "end-summary.json").exists()
