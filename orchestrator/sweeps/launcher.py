@@ -733,13 +733,17 @@ def outcome(item: Launched) -> JobReturn:
 
 
 def _settle(registry: Registry, sweep_id: int, timeout_s: float = 30.0) -> None:
-    """After a blocking wait: give sacct a moment to record the ends, so the registry is final."""
+    """After a blocking wait: give sacct a moment to record the ends, so the registry is final,
+    then keep what each ended job left in it, so the first ``status`` after reads no job files."""
+    from orchestrator.sweeps.status import keep_ended_results
+
     deadline = time.monotonic() + timeout_s
     while True:
         reconciled = reconcile(registry, [sweep_id])
         if not registry.unsettled([sweep_id]) or time.monotonic() > deadline:
             for warning in reconciled.warnings:
                 log.warning(f"Switchyard: {warning}")
+            keep_ended_results(registry, sweep_id)
             return
         time.sleep(0.5)
 

@@ -14,6 +14,8 @@ from typing import Any
 import psutil
 import sweep_probe
 
+from orchestrator.sweeps.registry import Registry
+
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
 def write_app(tmp_path: Path, launcher: str = "switchyard_local") -> Path:
     return sweep_probe.write_app(tmp_path, launcher=launcher, label="${x}-from-yaml")
@@ -57,6 +59,8 @@ def test_blocking_local_sweep_runs_every_point_and_records_it(tmp_path: Path) ->
     write_app(tmp_path)
     proc = run_app(tmp_path, "x=1,2,3", "hydra.launcher.array_parallelism=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    with Registry(Path(env_for(tmp_path)["SWITCHYARD_REGISTRY"])) as reg:  # kept as the sweep ended
+        assert set(reg.results(1)) == {a.id for a in reg.latest_attempts(1).values()}
     assert [runs(tmp_path, x) for x in (1, 2, 3)] == [1, 1, 1]
     status = status_json(tmp_path, "1")
     assert [(j["job"], j["state"], j["exit_code"]) for j in status["jobs"]] == [
