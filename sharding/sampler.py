@@ -49,10 +49,13 @@ from sharding.partition import (
     VisitOrder,
     validate_shard_counts,
 )
+from sharding.partition_v1 import RemainderV1
 
 # 2: within-shard and block orders come from a keyed cipher, not a Generator per shard and block
-# (the same guarantees, another order), so a version-1 state would name other samples.
+# (the same guarantees, another order). A version-1 state finishes its epoch in version 1's order
+# (partition_v1), and says version 1 until that epoch ends.
 STATE_VERSION = 2
+READ_VERSIONS = (1, 2)
 PARTITION_ORDER = "partition"  # the visit-order name of a sampler iterated as it is
 _YIELD_CHUNK = 4096  # values converted to Python ints at a time, never the whole partition
 
@@ -116,13 +119,14 @@ class ShardedSampler(Sampler[int]):
         # What is left of the epoch; turned into `_current` on first use (iteration, partition,
         # segment), so set_epoch and load_state_dict cost a count, and one partition at most
         # lives at a time.
-        self._remainder: EpochRemainder | None = None
+        self._remainder: EpochRemainder | RemainderV1 | None = None
         self._computed: Partition | None = None
         self._visit_order: VisitOrder | None = None  # None: entries visited in partition order
         self._visit_order_name = PARTITION_ORDER
         self._loaded_order: str | None = None  # the order named by the last loaded state
+        self._v1_epoch: int | None = None  # an epoch a version-1 state left unfinished
         # Computing epoch 0 now checks world, rank, seed and policy here, not mid-epoch.
-        self._enter(0, [Segment(world_size, 0)], start=0)
+        self._enter(0, [Segment(world_size, 0)], start=0, v1=False)
 
     @property
     def epoch(self) -> int:
@@ -135,15 +139,16 @@ class ShardedSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning; the current epoch again keeps the progress."""
         if epoch != self._epoch:
-            self._enter(epoch, [Segment(self.world_size, 0)], start=0)
+            self._enter(epoch, [Segment(self.world_size, 0)], start=0, v1=False)
             self._loaded_order = None  # a fresh epoch owes nothing to the loaded state
 
-    def _enter(self, epoch: int, segments: list[Segment], *, start: int) -> None:
+    def _enter(self, epoch: int, segments: list[Segment], *, start: int, v1: bool) -> None:
         """Switch to this stretch of an epoch; checked first, so bad input changes nothing.
 
-        Only counts are computed here; the entries follow on first use.
+        Only counts are computed here; the entries follow on first use. ``v1``: the epoch runs
+        in version 1's order (a version-1 state left it unfinished), built whole as it was.
         """
-        remainder = EpochRemainder(
+        remainder = (RemainderV1 if v1 else EpochRemainder)(
             self._counts,
             segments=segments[:-1],
             epoch=epoch,
@@ -162,6 +167,7 @@ class ShardedSampler(Sampler[int]):
             )
         self._epoch, self._segments, self._start = epoch, segments, start
         self._remainder, self._computed, self._num_entries = remainder, None, num_entries
+        self._v1_epoch = epoch if v1 else None
 
     @property
     def _current(self) -> Partition:
@@ -187,7 +193,8 @@ class ShardedSampler(Sampler[int]):
         self._check_order(self._loaded_order, name, self._segments)
         self._visit_order, self._visit_order_name = visit_order, name
         try:
-            self._enter(self._epoch, list(self._segments), start=self._start)  # past stretches, replayed
+            self._enter(self._epoch, list(self._segments), start=self._start,  # past stretches, replayed
+                        v1=self._v1_epoch is not None)
         except PartitionError as error:
             raise SamplerStateError(f"the loaded state does not fit visit order {name}: {error}") from error
 
@@ -222,7 +229,7 @@ class ShardedSampler(Sampler[int]):
     def state_dict(self) -> dict[str, Any]:
         """Progress through the current epoch; identical on every rank, so save it once."""
         return {
-            "version": STATE_VERSION,
+            "version": 1 if self._v1_epoch is not None else STATE_VERSION,
             "epoch": self._epoch,
             "seed": self.seed,
             "policy": self.policy,
@@ -247,8 +254,9 @@ class ShardedSampler(Sampler[int]):
         else:
             segments.append(Segment(self.world_size, 0))
             start = 0
+        v1 = state["version"] == 1 and any(consumed for _, consumed in segments)
         try:
-            self._enter(epoch, segments, start=start)
+            self._enter(epoch, segments, start=start, v1=v1)
         except PartitionError as error:
             raise SamplerStateError(f"state_dict does not fit this sampler: {error}") from error
         self._loaded_order = loaded_order
@@ -298,16 +306,10 @@ def _parse_state(state: Mapping[str, Any]) -> tuple[int, list[Segment]]:
         raise SamplerStateError(
             f"state_dict lacks {missing}: pass what ShardedSampler.state_dict() returned"
         )
-    if state["version"] == 1:
+    if state["version"] not in READ_VERSIONS or isinstance(state["version"], bool):
         raise SamplerStateError(
-            "state_dict version=1 was saved by an older Switchyard whose epoch order differs "
-            f"(this code writes version {STATE_VERSION}), so its progress would name other "
-            "samples: finish that epoch with the older version, or call set_epoch(epoch) "
-            "instead of load_state_dict to start the saved epoch afresh"
-        )
-    if state["version"] != STATE_VERSION:
-        raise SamplerStateError(
-            f"state_dict version={state['version']!r}; this code reads version {STATE_VERSION}"
+            f"state_dict version={state['version']!r}; this code reads versions {READ_VERSIONS} "
+            "(a newer Switchyard wrote it: resume with that version)"
         )
     if state["policy"] not in POLICIES:
         raise SamplerStateError(f"state_dict policy={state['policy']!r}: not one of {POLICIES}")
