@@ -702,18 +702,21 @@ def _consume_segment(
     policy: Policy,
     shuffle: bool,
     visit_order: VisitOrder | None = None,
+    split: Callable[..., Partition] | None = None,
 ) -> IntArray:
     """The pool (int64 [M]) minus the real samples every rank consumed in `segment`.
 
     `taken` (bool [N], by global id) is scratch space, updated in place. A rank consumed the
-    first `consumed` entries of its part, in `visit_order` when one is given.
+    first `consumed` entries of its part, in `visit_order` when one is given. `split`: how a
+    rank's part of the pool is cut (split_pool's keywords); split_pool unless given
+    (partition_v1 passes version 1's).
     """
     _check_segment(index, segment, pool.size, policy)
     world_size, consumed = int(segment[0]), int(segment[1])
     if consumed == 0:
         return pool
     for rank in range(world_size):  # loops over ranks, never samples
-        part = split_pool(
+        part = (split or split_pool)(
             pool,
             segment=index,
             world_size=world_size,

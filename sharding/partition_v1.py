@@ -21,10 +21,8 @@ import numpy.typing as npt
 from sharding.partition import (
     _TAG_BLOCK,
     _TAG_WITHIN_SHARD,
-    BoolArray,
     IntArray,
     Partition,
-    PartitionError,
     Policy,
     Segment,
     VisitOrder,
@@ -32,8 +30,8 @@ from sharding.partition import (
     _block_key,
     _check_enough_for_drop,
     _check_seed_epoch_policy,
-    _check_segment,
     _check_world,
+    _consume_segment,
     _rng,
     _shard_order,
     entries_per_rank,
@@ -104,31 +102,11 @@ class RemainderV1:
         pool = epoch_order_v1(counts, epoch=epoch, seed=seed, shuffle=shuffle)  # int64 [N]
         taken = np.zeros(num_samples, dtype=np.bool_)  # bool [N], by global id
         for index, segment in enumerate(segments):
-            pool = self._consume(pool, taken, index, Segment(*segment), visit_order)
+            pool = _consume_segment(pool, taken, index, Segment(*segment), epoch=epoch, seed=seed,
+                                    policy=policy, shuffle=shuffle, visit_order=visit_order,
+                                    split=split_pool_v1)
         self._pool = pool  # int64 [M], still in epoch order
         self.num_samples = int(pool.size)
-
-    def _consume(self, pool: IntArray, taken: BoolArray, index: int, segment: Segment,
-                 visit_order: VisitOrder | None) -> IntArray:
-        """The pool minus the real samples every rank consumed in `segment` (taken: scratch)."""
-        _check_segment(index, segment, pool.size, self.policy)
-        world_size, consumed = int(segment[0]), int(segment[1])
-        if consumed == 0:
-            return pool
-        for rank in range(world_size):  # loops over ranks, never samples
-            part = split_pool_v1(pool, segment=index, world_size=world_size, rank=rank,
-                                 epoch=self.epoch, seed=self.seed, policy=self.policy,
-                                 shuffle=self.shuffle)
-            if visit_order is not None:
-                part = visit_order(part, self.epoch, index, world_size, rank)
-                if len(part) < consumed:
-                    raise PartitionError(
-                        f"segments[{index}] has consumed_per_rank={consumed}, but rank {rank}'s "
-                        f"visit order has only {len(part)} entries: the state was saved with "
-                        "another loader (batch size, grouping); resume with the same one, or "
-                        "start the epoch fresh")
-            taken[part.indices[:consumed][~part.is_pad[:consumed]]] = True
-        return pool[~taken[pool]]
 
     def entries_per_rank(self, world_size: int) -> int:
         return entries_per_rank(self.num_samples, world_size, self.policy)
