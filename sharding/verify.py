@@ -236,7 +236,10 @@ def _verify_field_figures(root: Path, manifest: Manifest, figures: dict[int, Fig
                 f"{manifest.shard_bytes}, which its writer never lets a shard pass")))
     leading, values = _figure_fields(manifest)
     with ShardedDataset(root, manifest) as ds:
-        per_shard = [figures[shard] if shard in figures else _shard_figures(ds, shard, leading, values)
+        counts = [info.num_samples for info in manifest.shards]
+        starts = np.cumsum([0, *counts[:-1]]).tolist()  # each shard's first global sample
+        per_shard = [figures[shard] if shard in figures else
+                     _shard_figures(ds, shard, starts[shard], counts[shard], leading, values)
                      for shard in range(len(manifest.shards))]
     for name in leading:
         stats = manifest.field_stats[name]
@@ -251,10 +254,11 @@ def _verify_field_figures(root: Path, manifest: Manifest, figures: dict[int, Fig
     return problems
 
 
-def _shard_figures(ds: ShardedDataset, shard: int, leading: list[str], values: list[str]) -> Figures:
-    """One shard's figures read through the dataset (a shard too large for the quick path)."""
-    start = sum(ds.shard_counts[:shard])
-    samples = np.arange(start, start + ds.shard_counts[shard], dtype=np.int64)
+def _shard_figures(ds: ShardedDataset, shard: int, start: int, count: int, leading: list[str],
+                   values: list[str]) -> Figures:
+    """One shard's figures read through the dataset (a shard too large for the quick path);
+    its samples are global ids [start, start + count)."""
+    samples = np.arange(start, start + count, dtype=np.int64)
     found: Figures = {}
     for name in leading:
         sizes = ds.leading_sizes(name, samples)

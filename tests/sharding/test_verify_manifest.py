@@ -3,6 +3,7 @@ edited by hand (or by a bad copy tool) with consistent checksums is still caught
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from sharding import DatasetWriter, verify
+
+verify_module = importlib.import_module("sharding.verify")  # the package exports the function
 
 
 def dataset(path: Path) -> Path:
@@ -98,3 +101,25 @@ def test_every_shard_whose_figures_lie_outside_the_manifests_is_named(tmp_path: 
     problems = verify(path)
     assert [p.shard for p in problems] == [0, 1] and {p.file for p in problems} == {
         str(path / "shard-00000.idx"), str(path / "shard-00001.idx")}
+
+
+@pytest.mark.parametrize("path_taken", ["quick", "full"])
+def test_each_shards_figures_are_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         path_taken: str) -> None:
+    """Every shard's figures come from its own samples, on the quick path (small shards, one read)
+    and on the full one (shards too large for the buffer), which finds each shard's samples."""
+    if path_taken == "full":
+        monkeypatch.setattr(verify_module, "_quick_shard", lambda *args: None)
+    path = tmp_path / "ds"
+    with DatasetWriter(path, shard_bytes=2048) as writer:  # rows grow with i: each shard its own range
+        for i in range(60):
+            writer.append({"x": np.ones((1 + i // 10, 8), np.float32), "y": np.int64(i // 20)})
+    counts = [s["num_samples"] for s in json.loads((path / "manifest.json").read_text())["shards"]]
+    starts = np.cumsum([0, *counts[:-1]]).tolist()
+    ranges = [(1 + a // 10, 1 + (a + n - 1) // 10) for a, n in zip(starts, counts, strict=True)]
+    assert len(counts) >= 3 and verify(path) == []
+    edit(path, lambda m: field("x")(m).update(max_leading=2))
+    named = {p.shard: str(p) for p in verify(path) if p.shard is not None}
+    assert named.keys() == {k for k, (_, hi) in enumerate(ranges) if hi > 2}
+    for k, message in named.items():
+        assert f"leading sizes {ranges[k][0]}..{ranges[k][1]} in this index file" in message
