@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import sqlite3
 import time
@@ -270,10 +271,7 @@ class Registry:
             raise damaged(self.path, e) from e
 
     def _init_schema(self) -> None:
-        # WAL is a property of the file, set once; changing it needs a moment alone with the file,
-        # which the busy timeout gives us when many processes open a new registry at once.
-        if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-            self._db.execute("PRAGMA journal_mode = WAL")
+        self._use_wal()
         self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across app crashes
         if self._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
             return
@@ -282,6 +280,20 @@ class Registry:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 db.execute(statement)  # IF NOT EXISTS: a second process getting here changes nothing
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _use_wal(self) -> None:
+        """WAL is a property of the file, set once; changing it needs a moment alone with the file.
+        When many processes open a new registry at once, two of them may both hold a read lock and
+        ask for that moment: SQLite then answers one "database is locked" at once, without its busy
+        handler (waiting would deadlock), so that one lets go and tries again, within the timeout."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            try:
+                self._db.execute("PRAGMA journal_mode = WAL")
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(random.uniform(0.005, 0.05))  # apart from the others that lost the race
 
     def close(self) -> None:
         self._db.close()
