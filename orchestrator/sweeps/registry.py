@@ -38,7 +38,7 @@ from orchestrator import atomic
 REGISTRY_ENV = "SWITCHYARD_REGISTRY"
 DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
 BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
-SCHEMA_VERSION = 2  # 2: the results table (a version-1 file gets it when first opened)
+SCHEMA_VERSION = 3  # 2: the results table, 3: digests (an older file gets them when first opened)
 
 # Attempt states: SLURM's own names, plus the two before SLURM knows the job.
 SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
@@ -102,6 +102,10 @@ CREATE TABLE IF NOT EXISTS results (
     peak_bytes  INTEGER,            -- the memory section's highest peak (GPU used, else rank RSS)
     flags       TEXT NOT NULL,      -- JSON list: the memory section's flags
     memory      TEXT                -- JSON: summary.json's memory section, or the telemetry summarised
+);
+CREATE TABLE IF NOT EXISTS digests (
+    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
+    state       TEXT NOT NULL       -- JSON: a running attempt's telemetry folded so far (stats.Digest)
 );
 """
 
@@ -465,6 +469,21 @@ class Registry:
                 "state = ? AND updated_at = ?)",
                 [(a.id, r.step, r.loss, r.peak_bytes, json.dumps(r.flags), r.memory_json, a.id, a.state,
                   a.updated_at) for a, r in results])
+            db.executemany("DELETE FROM digests WHERE attempt_id = ?", [(a.id,) for a, _ in results])
+
+    def digests(self, sweep_id: int, num: int | None = None) -> dict[int, dict[str, Any]]:
+        """The kept telemetry digests of this sweep's attempts (or one job's): ``{attempt id: state}``."""
+        query, args = ("SELECT d.attempt_id, d.state FROM digests d JOIN attempts a ON a.id = d.attempt_id "
+                       "WHERE a.sweep_id = ?"), [sweep_id]
+        if num is not None:
+            query, args = query + " AND a.num = ?", [*args, num]
+        return {attempt_id: json.loads(state) for attempt_id, state in self._db.execute(query, args)}
+
+    def keep_digests(self, digests: Iterable[tuple[int, dict[str, Any]]]) -> None:
+        """Keep running attempts' telemetry digests (``(attempt id, state)``) for the next call."""
+        with self._write() as db:
+            db.executemany("INSERT OR REPLACE INTO digests (attempt_id, state) VALUES (?, ?)",
+                           [(attempt_id, json.dumps(state)) for attempt_id, state in digests])
 
     def find_attempt(self, slurm_id: str) -> Attempt | None:
         row = self._db.execute("SELECT * FROM attempts WHERE slurm_id = ? ORDER BY id DESC LIMIT 1",

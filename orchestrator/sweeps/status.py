@@ -38,7 +38,8 @@ from orchestrator.sweeps.registry import (
     reconcile,
 )
 from orchestrator.telemetry.files import read_end_summary, telemetry_dir
-from orchestrator.telemetry.summary import format_summary, summarize
+from orchestrator.telemetry.stats import Digest
+from orchestrator.telemetry.summary import format_summary, summarize, summary_of
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
                  "PENDING": "33", "SUBMITTED": "33", "SUBMITTING": "33", "REQUEUED": "33",
@@ -158,11 +159,12 @@ def last_metrics(run_dir: str) -> dict[str, Any] | None:
     return None
 
 
-def read_result(run_dir: str) -> Result:
-    """What the run directory shows now: the last metrics line and the memory section."""
+def read_result(run_dir: str, digest: Digest | None = None) -> Result:
+    """What the run directory shows now: the last metrics line and the memory section (with
+    ``digest``, the telemetry folded so far, updated in place: only new samples are read)."""
     metrics = last_metrics(run_dir) or {}
     step, loss = metrics.get("step"), metrics.get("train_loss")
-    memory = job_memory(run_dir)
+    memory = job_memory(run_dir, digest)
     flags = memory.get("flags") if memory else None
     return Result(step if isinstance(step, int) else None,
                   float(loss) if isinstance(loss, int | float) else None, peak_bytes(memory),
@@ -187,7 +189,8 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
 
     An attempt that has ended is read from its files once; its result is kept in the registry and
     later calls read that instead (a requeue or correction of the attempt drops it). A first
-    attempt still queued has nothing to read yet.
+    attempt still queued has nothing to read yet. One still running keeps its telemetry digest in
+    the registry, so each call reads only the samples taken since the last.
     """
     if num is None:
         jobs = registry.jobs(sweep_id, resources=False)  # not shown: not decoded
@@ -195,21 +198,34 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
     else:
         attempts = registry.attempts(sweep_id, num)
         jobs, latest = [registry.job(sweep_id, num)], ({num: attempts[-1]} if attempts else {})
-    kept = registry.results(sweep_id, num)
-    rows, ended = [], []
+    kept, digests = registry.results(sweep_id, num), registry.digests(sweep_id, num)
+    rows, ended, running = [], [], []
     for job in jobs:
         attempt = latest.get(job.num)
         result = kept.get(attempt.id) if attempt else None
         if result is None and _has_not_run(attempt):
             result = _NO_RESULT
+        elif result is None and attempt is not None and attempt.state not in TERMINAL_STATES:
+            digest = _digest(digests.get(attempt.id))
+            result = read_result(job.run_dir, digest)
+            running.append((attempt.id, digest.to_json()))
         elif result is None:
             result = read_result(job.run_dir)
-            if attempt is not None and attempt.state in TERMINAL_STATES:
+            if attempt is not None:
                 ended.append((attempt, result))
         rows.append(JobRow(job, attempt, result))
     if ended:
         registry.keep_results(ended)
+    if running:
+        registry.keep_digests(running)
     return rows
+
+
+def _digest(state: dict[str, Any] | None) -> Digest:
+    try:
+        return Digest.from_json(state) if state else Digest()
+    except (KeyError, TypeError, ValueError):  # written by another version: fold from the start
+        return Digest()
 
 
 def keep_ended_results(registry: Registry, sweep_id: int) -> None:
@@ -218,9 +234,10 @@ def keep_ended_results(registry: Registry, sweep_id: int) -> None:
     job_rows(registry, sweep_id)
 
 
-def job_memory(run_dir: str) -> dict[str, Any] | None:
+def job_memory(run_dir: str, digest: Digest | None = None) -> dict[str, Any] | None:
     """The run's memory section: from summary.json once it ended, from what rank 0 summarised as
-    it failed, else from its telemetry so far (a run still going, or one killed outright)."""
+    it failed, else from its telemetry so far (a run still going, or one killed outright);
+    ``digest``: what an earlier call folded of it, brought up to date in place."""
     try:
         with open(os.path.join(run_dir, "summary.json"), "rb") as f:
             memory = json.loads(f.read()).get("memory")
@@ -231,8 +248,12 @@ def job_memory(run_dir: str) -> dict[str, Any] | None:
         return memory
     if not os.path.isdir(telemetry_dir(Path(run_dir))):
         return None
+    run = Path(run_dir)
     try:
-        return summarize(Path(run_dir))
+        if digest is None:
+            return summarize(run)
+        digest.read_new(run)
+        return summary_of(run, digest)
     except (OSError, ValueError, KeyError):  # files being written right now: show nothing yet
         return None
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.telemetry.common import Record, gib, rank_list
 from orchestrator.telemetry.files import RankInfo, load_peaks, load_ranks, telemetry_dir
 from orchestrator.telemetry.flags import cross_device_flags, idle_flags, imbalance_flags, uss_imbalance_flags
-from orchestrator.telemetry.stats import GpuStats, RankStats, gpu_stats, load_records, rank_stats
+from orchestrator.telemetry.stats import Digest, GpuStats, RankStats
 
 
 def summarize(run_dir: Path) -> Record:
@@ -18,30 +17,40 @@ def summarize(run_dir: Path) -> Record:
     Works on a run still in progress (it reads what has been sampled so far) and on one that
     recorded nothing (mode ``"none"``).
     """
-    return summarize_records(run_dir, load_records(run_dir))
+    digest = Digest()
+    digest.read_new(run_dir)
+    return summary_of(run_dir, digest)
 
 
 def summarize_records(run_dir: Path, records: list[Record]) -> Record:
+    return summary_of(run_dir, Digest.of(records))
+
+
+def summary_of(run_dir: Path, digest: Digest) -> Record:
+    """The memory section from the folded samples and the ranks' own files (small, read whole)."""
     ranks = {r.rank: r for r in load_ranks(run_dir)}
     peaks = load_peaks(run_dir)
-    gpus, cpu_ranks = gpu_stats(records), rank_stats(records)
+    gpus, cpu_ranks = digest.gpu_list(), digest.rank_list()
     flags = idle_flags(gpus) + imbalance_flags(gpus) + cross_device_flags(gpus, ranks, peaks) \
         + uss_imbalance_flags(cpu_ranks)
     return {"mode": "gpu" if gpus else "cpu" if cpu_ranks else "none",
-            **_sampling(records),
+            **_sampling(digest),
             "gpus": [_gpu_summary(g) for g in gpus],
             "ranks": _ranks_summary(ranks, peaks, cpu_ranks),
-            "nodes": _node_totals(records),
+            "nodes": [{"node": n.node, "peak_total_rss_bytes": n.peak_total_rss_bytes,
+                       "peak_total_uss_bytes": n.peak_total_uss_bytes}
+                      for _, n in sorted(digest.nodes.items())],
             "flags": flags,
-            "notes": _notes(records, run_dir)}
+            "notes": _notes(digest, run_dir)}
 
 
-def _sampling(records: list[Record]) -> Record:
-    costs = [float(r["sample_s"]) for r in records if "sample_s" in r]
-    return {"num_samples": len(records),
-            "duration_s": round(records[-1]["t"] - records[0]["t"], 3) if records else 0.0,
-            "sample_cost_ms": {"mean": round(1e3 * statistics.fmean(costs), 3) if costs else None,
-                               "max": round(1e3 * max(costs), 3) if costs else None}}
+def _sampling(digest: Digest) -> Record:
+    first, last, most = digest.first_t, digest.last_t, digest.cost_max
+    mean = digest.cost_sum / digest.cost_count if digest.cost_count else None
+    return {"num_samples": digest.num_samples,
+            "duration_s": round(last - first, 3) if first is not None and last is not None else 0.0,
+            "sample_cost_ms": {"mean": round(1e3 * mean, 3) if mean is not None else None,
+                               "max": round(1e3 * most, 3) if most is not None else None}}
 
 
 def _gpu_summary(g: GpuStats) -> Record:
@@ -67,36 +76,11 @@ def _ranks_summary(ranks: Mapping[int, RankInfo], peaks: Mapping[int, Record],
     return result
 
 
-def _node_totals(records: list[Record]) -> list[Record]:
-    """CPU mode: the node's peak of summed RSS (counts shared pages once per rank) and summed USS (private).
-
-    Summed USS near summed RSS means every rank holds its own copy (a dataset loaded per process);
-    summed USS far below it means the ranks share pages (memory-mapped shards, fork). USS is read
-    less often than RSS, so each rank's last reading stands in until the next.
-    """
-    totals: dict[str, Record] = {}
-    last_uss: dict[tuple[str, int], int] = {}
-    for record in records:
-        if not record.get("ranks"):
-            continue
-        node = record["node"]
-        t = totals.setdefault(node, {"node": node, "peak_total_rss_bytes": 0, "peak_total_uss_bytes": 0})
-        for r in record["ranks"]:
-            if r.get("uss_bytes") is not None:
-                last_uss[(node, r["rank"])] = r["uss_bytes"]
-        rss = sum(r["rss_bytes"] for r in record["ranks"])
-        uss = sum(last_uss.get((node, r["rank"]), 0) for r in record["ranks"])
-        t["peak_total_rss_bytes"] = max(t["peak_total_rss_bytes"], rss)
-        t["peak_total_uss_bytes"] = max(t["peak_total_uss_bytes"], uss)
-    return [totals[n] for n in sorted(totals)]
-
-
-def _notes(records: list[Record], run_dir: Path) -> list[str]:
+def _notes(digest: Digest, run_dir: Path) -> list[str]:
     notes = []
-    if not records:
+    if not digest.num_samples:
         notes.append(f"no telemetry samples in {telemetry_dir(run_dir)}: was the memory sampler started?")
-    listed = [p for r in records for g in r.get("gpus") or [] for p in g.get("processes") or []]
-    if listed and all(p.get("rank") is None for p in listed):
+    if digest.processes_listed and not digest.processes_matched:
         notes.append("NVML's process ids match no rank's pid (a container's PID namespace?): per-rank GPU "
                      "memory comes from torch's allocator at the end of the run only")
     return notes

@@ -139,7 +139,7 @@ def test_imbalance_flags_exactly_the_gpu_with_extra_memory(peaks_gib: list[float
                                                            extra: st.DataObject) -> None:
     def stats(peaks: list[float]) -> list[GpuStats]:
         return [GpuStats("n1", i, total_bytes=TOTAL, peak_used_bytes=int(p * GIB), num_samples=5,
-                         util_samples=[90.0]) for i, p in enumerate(peaks)]
+                         util_sum=90.0, util_count=1) for i, p in enumerate(peaks)]
 
     assert imbalance_flags(stats(peaks_gib)) == []  # within 20 % of each other: DDP replicas agree
     heavy = extra.draw(st.integers(0, len(peaks_gib) - 1))
