@@ -9,6 +9,8 @@ summary). SLURM ids are array tasks no cluster knows (arrays of 1001, the local 
 - finished: every job COMPLETED, with summary.json.
 - failed: every job FAILED after sampling telemetry for 5 minutes (60 samples), no summary.json;
   rank 0 summarised the telemetry as the run failed (``telemetry/end-summary.json``).
+- running a day: the same as running, each running job having sampled for a day (17,280
+  samples, 4.5 MB): the first call folds them, later ones read only what was added since.
 - killed: the same, killed outright (OOM killer, node failure): no end summary, so the first
   status after they ended summarises each job's samples (once: the result is kept).
 - running: one array in flight at ``array_parallelism`` 256: 256 jobs RUNNING (telemetry so far),
@@ -58,7 +60,8 @@ NUM_DONE_WHILE_RUNNING = 3_744
 REPEATS = 5
 TELEMETRY_SAMPLES = 60  # 5 minutes at the default 5 s interval
 STATUS_TARGET_S, SHOW_TARGET_S = 1.0, 0.3
-KINDS = ("finished", "running", "failed", "killed")
+KINDS = ("finished", "running", "running a day", "failed", "killed")
+DAY_SAMPLES = 17_280  # "running a day": each running job has sampled for a day at 5 s
 STATES = {"finished": "COMPLETED", "failed": "FAILED", "killed": "FAILED"}
 # What resources_for() records for a jobs.train point on SLURM: decoded with every job row.
 RESOURCES = {"executor": "slurm", "max_requeues": 3, "array_parallelism": ARRAY_PARALLELISM,
@@ -76,19 +79,19 @@ def _metrics_text(steps: int = 200, every: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _telemetry_lines(start: float) -> str:
+def _telemetry_lines(start: float, samples: int = TELEMETRY_SAMPLES) -> str:
     lines = []
-    for i in range(TELEMETRY_SAMPLES):
+    for i in range(samples):
         ranks = [{"rank": r, "pid": 1000 + r, "rss_bytes": 400_000_000 + 1000 * i, "shared_bytes": 9_000_000,
                   "uss_bytes": 300_000_000 if i % 6 == 0 else None} for r in range(2)]
         lines.append(json.dumps({"t": start + 5 * i, "node": "n1", "ranks": ranks, "sample_s": 0.0001}))
     return "\n".join(lines) + "\n"
 
 
-def _write_telemetry(run_dir: Path, start: float) -> None:
+def _write_telemetry(run_dir: Path, start: float, text: str | None = None) -> None:
     tel = run_dir / "telemetry"
     (tel / "ranks").mkdir(parents=True)
-    (tel / "n1.jsonl").write_text(_telemetry_lines(start))
+    (tel / "n1.jsonl").write_text(text or _telemetry_lines(start))
     for r in range(2):
         (tel / "ranks" / f"rank-{r}.json").write_text(json.dumps(
             {"rank": r, "local_rank": r, "node": "n1", "pid": 1000 + r, "device": None,
@@ -111,6 +114,7 @@ def build(root: Path, kind: str, num_jobs: int = NUM_JOBS) -> tuple[Path, int, i
     memory = summarize(template)
     path, sweep_dir = root / f"{kind}.db", root / kind
     metrics, now = _metrics_text(), time.time()
+    day = _telemetry_lines(now - 86_400, DAY_SAMPLES) if kind == "running a day" else None
     running = range(NUM_DONE_WHILE_RUNNING, NUM_DONE_WHILE_RUNNING + ARRAY_PARALLELISM)
     with Registry(path) as reg:
         sweep_id = reg.create_sweep("train", "optim.lr=... seed=...", str(sweep_dir), "slurm", "entry.pkl")
@@ -122,7 +126,7 @@ def build(root: Path, kind: str, num_jobs: int = NUM_JOBS) -> tuple[Path, int, i
                     for n, (a, i) in ids.items())
         observations = []
         for n in range(num_jobs):
-            state = STATES.get(kind) if kind != "running" else \
+            state = STATES.get(kind) if not kind.startswith("running") else \
                 "COMPLETED" if n < NUM_DONE_WHILE_RUNNING else "RUNNING" if n in running else None
             if state is None:
                 continue  # queued: nothing written yet
@@ -137,13 +141,13 @@ def build(root: Path, kind: str, num_jobs: int = NUM_JOBS) -> tuple[Path, int, i
             if state == "COMPLETED":
                 (run_dir / "summary.json").write_text(_summary(memory))
             else:
-                _write_telemetry(run_dir, now - 310)
+                _write_telemetry(run_dir, now - 310, day if kind == "running a day" else None)
             if kind == "failed":  # what rank 0 of a failing run leaves (the trainer's keep_end_summary)
                 write_end_summary(run_dir, summarize(run_dir))
             observations.append(Observation(claims[n], state, started_at=now - 310, ended_at=ended,
                                             exit_code=code, node="n1", error=error))
         reg.observe(observations)
-    show = running[0] if kind == "running" else num_jobs // 2
+    show = running[0] if kind.startswith("running") else num_jobs // 2
     return path, sweep_id, show
 
 
