@@ -701,22 +701,21 @@ def _consume_segment(
     seed: int,
     policy: Policy,
     shuffle: bool,
-    visit_order: VisitOrder | None = None,
-    split: Callable[..., Partition] | None = None,
+    visit_order: VisitOrder | None,
+    split: Callable[..., Partition],
 ) -> IntArray:
     """The pool (int64 [M]) minus the real samples every rank consumed in `segment`.
 
     `taken` (bool [N], by global id) is scratch space, updated in place. A rank consumed the
-    first `consumed` entries of its part, in `visit_order` when one is given. `split`: how a
-    rank's part of the pool is cut (split_pool's keywords); split_pool unless given
-    (partition_v1 passes version 1's).
+    first `consumed` entries of its part (cut by `split`, with split_pool's keywords), in
+    `visit_order` when one is given.
     """
     _check_segment(index, segment, pool.size, policy)
     world_size, consumed = int(segment[0]), int(segment[1])
     if consumed == 0:
         return pool
     for rank in range(world_size):  # loops over ranks, never samples
-        part = (split or split_pool)(
+        part = split(
             pool,
             segment=index,
             world_size=world_size,
@@ -757,23 +756,30 @@ def remaining_samples(
     """
     counts = validate_shard_counts(shard_counts)
     _check_seed_epoch_policy(seed, epoch, policy)
-    num_samples = int(counts.sum())
     pool = epoch_order(counts, epoch=epoch, seed=seed, shuffle=shuffle)  # int64 [N]
+    return replay_segments(pool, segments, epoch=epoch, seed=seed, policy=policy, shuffle=shuffle,
+                           visit_order=visit_order, split=split_pool)
+
+
+def replay_segments(
+    pool: IntArray,
+    segments: Sequence[Segment | tuple[int, int]],
+    *,
+    epoch: int,
+    seed: int,
+    policy: Policy,
+    shuffle: bool,
+    visit_order: VisitOrder | None,
+    split: Callable[..., Partition],
+) -> IntArray:
+    """The whole epoch order `pool` (int64 [N]) minus the real samples consumed in `segments`,
+    each split by `split` (split_pool; partition_v1 passes version 1's): int64 [M], epoch order."""
     if segments:
-        _check_enough_for_drop(num_samples, int(segments[0][0]), policy)
-    taken = np.zeros(num_samples, dtype=np.bool_)  # bool [N], by global id
+        _check_enough_for_drop(pool.size, int(segments[0][0]), policy)
+    taken = np.zeros(pool.size, dtype=np.bool_)  # bool [N], by global id
     for index, segment in enumerate(segments):
-        pool = _consume_segment(
-            pool,
-            taken,
-            index,
-            Segment(*segment),
-            epoch=epoch,
-            seed=seed,
-            policy=policy,
-            shuffle=shuffle,
-            visit_order=visit_order,
-        )
+        pool = _consume_segment(pool, taken, index, Segment(*segment), epoch=epoch, seed=seed,
+                                policy=policy, shuffle=shuffle, visit_order=visit_order, split=split)
     return pool
 
 

@@ -31,10 +31,10 @@ from sharding.partition import (
     _check_enough_for_drop,
     _check_seed_epoch_policy,
     _check_world,
-    _consume_segment,
     _rng,
     _shard_order,
     entries_per_rank,
+    replay_segments,
     validate_shard_counts,
 )
 
@@ -96,17 +96,10 @@ class RemainderV1:
         _check_seed_epoch_policy(seed, epoch, policy)
         self.epoch, self.seed, self.policy, self.shuffle = epoch, seed, policy, shuffle
         self._segment = len(segments)  # the split of what is left is the next stretch
-        num_samples = int(counts.sum())
-        if segments:
-            _check_enough_for_drop(num_samples, int(segments[0][0]), policy)
-        pool = epoch_order_v1(counts, epoch=epoch, seed=seed, shuffle=shuffle)  # int64 [N]
-        taken = np.zeros(num_samples, dtype=np.bool_)  # bool [N], by global id
-        for index, segment in enumerate(segments):
-            pool = _consume_segment(pool, taken, index, Segment(*segment), epoch=epoch, seed=seed,
-                                    policy=policy, shuffle=shuffle, visit_order=visit_order,
-                                    split=split_pool_v1)
-        self._pool = pool  # int64 [M], still in epoch order
-        self.num_samples = int(pool.size)
+        self._pool = replay_segments(  # int64 [M], still in epoch order
+            epoch_order_v1(counts, epoch=epoch, seed=seed, shuffle=shuffle), segments, epoch=epoch,
+            seed=seed, policy=policy, shuffle=shuffle, visit_order=visit_order, split=split_pool_v1)
+        self.num_samples = int(self._pool.size)
 
     def entries_per_rank(self, world_size: int) -> int:
         return entries_per_rank(self.num_samples, world_size, self.policy)

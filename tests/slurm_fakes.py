@@ -16,8 +16,10 @@ import pytest
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **bodies: str) -> Path:
     """Each keyword a SLURM command as a bash snippet (``$ids``: its last argument, the ``-j`` list
     of sacct and squeue); every call's name and last argument are appended to the returned log.
-    submitit's executor looks for ``srun`` before it submits: a test faking sbatch fakes it too,
-    so it runs on a machine without SLURM installed."""
+    submitit's executor looks for ``srun`` before it submits, so a faked sbatch comes with an
+    ``srun`` that does nothing: the test runs on a machine without SLURM installed."""
+    if "sbatch" in bodies:
+        bodies.setdefault("srun", "true")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"

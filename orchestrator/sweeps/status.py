@@ -255,6 +255,8 @@ def job_memory(run_dir: str, digest: Digest | None = None) -> dict[str, Any] | N
         digest.read_new(run)
         return summary_of(run, digest)
     except (OSError, ValueError, KeyError):  # files being written right now: show nothing yet
+        if digest is not None:
+            digest.clear()  # a fold that stopped part way would count its samples twice next time
         return None
 
 

@@ -9,8 +9,8 @@ from typing import Any
 from orchestrator.telemetry.common import GIB, Record, TelemetryError, gib
 from orchestrator.telemetry.files import telemetry_dir
 from orchestrator.telemetry.flags import heavy_gpus, is_idle
-from orchestrator.telemetry.stats import GpuStats, gpu_stats, load_records
-from orchestrator.telemetry.summary import summarize_records
+from orchestrator.telemetry.stats import Digest, GpuStats, load_records
+from orchestrator.telemetry.summary import summary_of
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -28,8 +28,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if not records:
         raise TelemetryError(f"no telemetry samples in {telemetry_dir(run_dir)}: was the memory sampler "
                              f"started (it runs on local rank 0 of each node)?")
-    marks = _verdicts(gpu_stats(records))
-    flags = summarize_records(run_dir, records)["flags"]
+    digest = Digest.of(records)
+    marks = _verdicts(digest.gpu_list())
+    flags = summary_of(run_dir, digest)["flags"]
     nodes = sorted({r["node"] for r in records})
     # the Figure/Agg API touches no pyplot global state, so plotting is safe from any thread
     figure = Figure(figsize=(10, 3.2 * len(nodes) + 0.25 * min(len(flags), 8) + 0.6))

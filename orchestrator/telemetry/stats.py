@@ -78,10 +78,6 @@ class GpuStats:
             self.process_peaks[rank] = max(self.process_peaks[rank] or 0, used)
 
 
-def gpu_stats(records: Iterable[Record]) -> list[GpuStats]:
-    return Digest.of(records).gpu_list()
-
-
 @dataclass
 class RankStats:
     """One rank's CPU memory over the run (sampled in CPU mode only)."""
@@ -92,15 +88,10 @@ class RankStats:
     peak_rss_bytes: int = 0
     peak_uss_bytes: int | None = None
 
-
     def add(self, r: Record) -> None:
         self.peak_rss_bytes = max(self.peak_rss_bytes, int(r["rss_bytes"]))
         if r.get("uss_bytes") is not None:
             self.peak_uss_bytes = max(self.peak_uss_bytes or 0, int(r["uss_bytes"]))
-
-
-def rank_stats(records: Iterable[Record]) -> list[RankStats]:
-    return Digest.of(records).rank_list()
 
 
 @dataclass
@@ -180,7 +171,7 @@ class Digest:
         folded again from the start."""
         paths = sorted(telemetry_dir(run_dir).glob("*.jsonl"))
         if any(path.stat().st_size < self.offsets.get(path.name, 0) for path in paths):
-            vars(self).update(vars(Digest()))
+            self.clear()
         for path in paths:
             start = self.offsets.get(path.name, 0)
             with open(path, "rb") as f:
@@ -195,6 +186,10 @@ class Digest:
                 if isinstance(record, dict) and "t" in record and "node" in record:
                     self.add(record)
             self.offsets[path.name] = start + len(whole)
+
+    def clear(self) -> None:
+        """Back to nothing folded (a replaced file, or a fold that failed part way)."""
+        vars(self).update(vars(Digest()))
 
     def gpu_list(self) -> list[GpuStats]:
         return [self.gpus[k] for k in sorted(self.gpus)]

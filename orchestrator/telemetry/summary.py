@@ -22,10 +22,6 @@ def summarize(run_dir: Path) -> Record:
     return summary_of(run_dir, digest)
 
 
-def summarize_records(run_dir: Path, records: list[Record]) -> Record:
-    return summary_of(run_dir, Digest.of(records))
-
-
 def summary_of(run_dir: Path, digest: Digest) -> Record:
     """The memory section from the folded samples and the ranks' own files (small, read whole)."""
     ranks = {r.rank: r for r in load_ranks(run_dir)}

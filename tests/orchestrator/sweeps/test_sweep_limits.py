@@ -57,7 +57,7 @@ def test_split_arrays_share_the_groups_parallelism(parallelism: int, num_arrays:
 def test_a_sweep_split_over_max_array_size_goes_out_as_several_arrays(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # sbatch: the array line of each script it is given, then a new job id (41, 42, ...).
-    log = fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(3, 10000), srun="true", sbatch=(
+    log = fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(3, 10000), sbatch=(
         f'grep -h -- "--array" "$1" >> {tmp_path / "arrays"}\n'
         f'n=$(( $(wc -l < {tmp_path / "arrays"}) + 40 )); echo "Submitted batch job $n"'))
     resources = resources_for(LauncherSettings(array_parallelism=4), None)
@@ -78,7 +78,7 @@ def test_a_sweep_split_over_max_array_size_goes_out_as_several_arrays(
 
 def test_an_array_refused_after_another_was_queued_says_what_went_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(2, 10000), srun="true", sbatch=(
+    fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(2, 10000), sbatch=(
         f'echo x >> {tmp_path / "n"}\n'
         f'if [ "$(wc -l < {tmp_path / "n"})" -gt 1 ]; then echo "sbatch: error: QOSMaxSubmitJobPerUserLimit"'
         f' >&2; exit 1; fi\necho "Submitted batch job 41"'))

@@ -17,6 +17,8 @@ import sweep_probe
 from orchestrator.sweeps.registry import Registry
 
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
+
+
 def write_app(tmp_path: Path, launcher: str = "switchyard_local") -> Path:
     return sweep_probe.write_app(tmp_path, launcher=launcher, label="${x}-from-yaml")
 
