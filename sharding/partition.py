@@ -566,12 +566,7 @@ class EpochRemainder:
             block_key=_block_key(self.seed, self.epoch, index, world_size, block),
         )
         visited = visit_order(part, self.epoch, index, world_size, block)
-        if len(visited) < consumed:
-            raise PartitionError(
-                f"segments[{index}] has consumed_per_rank={consumed}, but rank {block}'s visit "
-                f"order has only {len(visited)} entries: the state was saved with another loader "
-                "(batch size, grouping); resume with the same one, or start the epoch fresh"
-            )
+        _check_visited(index, consumed, block, len(visited))
         return values, visited.indices[:consumed][~visited.is_pad[:consumed]]
 
     def _pool_at(self, level: int, positions: IntArray) -> IntArray:
@@ -691,52 +686,6 @@ def _check_segment(index: int, segment: Segment, num_items: int, policy: Policy)
         )
 
 
-def _consume_segment(
-    pool: IntArray,
-    taken: BoolArray,
-    index: int,
-    segment: Segment,
-    *,
-    epoch: int,
-    seed: int,
-    policy: Policy,
-    shuffle: bool,
-    visit_order: VisitOrder | None,
-    split: Callable[..., Partition],
-) -> IntArray:
-    """The pool (int64 [M]) minus the real samples every rank consumed in `segment`.
-
-    `taken` (bool [N], by global id) is scratch space, updated in place. A rank consumed the
-    first `consumed` entries of its part (cut by `split`, with split_pool's keywords), in
-    `visit_order` when one is given.
-    """
-    _check_segment(index, segment, pool.size, policy)
-    world_size, consumed = int(segment[0]), int(segment[1])
-    if consumed == 0:
-        return pool
-    for rank in range(world_size):  # loops over ranks, never samples
-        part = split(
-            pool,
-            segment=index,
-            world_size=world_size,
-            rank=rank,
-            epoch=epoch,
-            seed=seed,
-            policy=policy,
-            shuffle=shuffle,
-        )
-        if visit_order is not None:
-            part = visit_order(part, epoch, index, world_size, rank)
-            if len(part) < consumed:
-                raise PartitionError(
-                    f"segments[{index}] has consumed_per_rank={consumed}, but rank {rank}'s visit "
-                    f"order has only {len(part)} entries: the state was saved with another loader "
-                    "(batch size, grouping); resume with the same one, or start the epoch fresh"
-                )
-        taken[part.indices[:consumed][~part.is_pad[:consumed]]] = True
-    return pool[~taken[pool]]  # int64 [M'], still in epoch order
-
-
 def remaining_samples(
     shard_counts: Sequence[int] | npt.ArrayLike,
     *,
@@ -772,15 +721,38 @@ def replay_segments(
     visit_order: VisitOrder | None,
     split: Callable[..., Partition],
 ) -> IntArray:
-    """The whole epoch order `pool` (int64 [N]) minus the real samples consumed in `segments`,
-    each split by `split` (split_pool; partition_v1 passes version 1's): int64 [M], epoch order."""
+    """The whole epoch order `pool` (int64 [N]) minus the real samples consumed in `segments`:
+    int64 [M], still in epoch order. Each segment's pool is cut per rank by `split` (split_pool's
+    keywords; partition_v1 passes version 1's); a rank consumed the first `consumed` entries of
+    its part, in `visit_order` when one is given."""
     if segments:
         _check_enough_for_drop(pool.size, int(segments[0][0]), policy)
     taken = np.zeros(pool.size, dtype=np.bool_)  # bool [N], by global id
-    for index, segment in enumerate(segments):
-        pool = _consume_segment(pool, taken, index, Segment(*segment), epoch=epoch, seed=seed,
-                                policy=policy, shuffle=shuffle, visit_order=visit_order, split=split)
+    for index, pair in enumerate(segments):
+        segment = Segment(*pair)
+        _check_segment(index, segment, pool.size, policy)
+        world_size, consumed = int(segment[0]), int(segment[1])
+        if consumed == 0:
+            continue
+        for rank in range(world_size):  # loops over ranks, never samples
+            part = split(pool, segment=index, world_size=world_size, rank=rank, epoch=epoch,
+                         seed=seed, policy=policy, shuffle=shuffle)
+            if visit_order is not None:
+                part = visit_order(part, epoch, index, world_size, rank)
+                _check_visited(index, consumed, rank, len(part))
+            taken[part.indices[:consumed][~part.is_pad[:consumed]]] = True
+        pool = pool[~taken[pool]]  # int64 [M'], still in epoch order
     return pool
+
+
+def _check_visited(index: int, consumed: int, rank: int, visited: int) -> None:
+    """A rank's visit order must hold at least what the state says it consumed."""
+    if visited < consumed:
+        raise PartitionError(
+            f"segments[{index}] has consumed_per_rank={consumed}, but rank {rank}'s visit "
+            f"order has only {visited} entries: the state was saved with another loader "
+            "(batch size, grouping); resume with the same one, or start the epoch fresh"
+        )
 
 
 def remaining_partition(
