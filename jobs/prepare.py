@@ -305,10 +305,24 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     """Check the input and the output, then stream every sample into a new dataset."""
     kind, path = detect_format(cfg.input, cfg.format)
     output = Path(cfg.output).expanduser().absolute()
+    check_input_outside(kind, path, output)
     check_output(output, cfg.overwrite)
     check_space(output, input_bytes(kind, path))
     source = open_source(kind, path, cfg)
     return convert(source, output, cfg.shard_bytes, cfg.overwrite)
+
+
+def check_input_outside(kind: str, path: Path, output: Path) -> None:
+    """An input inside the output would be deleted by the publish that replaces the output (or,
+    for a new output, be the directory the dataset is renamed onto): refuse it first."""
+    inputs = [Path(f"{path}.bin"), Path(f"{path}.idx")] if kind == "megatron" else [path]
+    target = output.resolve()
+    for item in inputs:
+        resolved = item.resolve()
+        if resolved == target or target in resolved.parents:
+            raise ConfigError(f"input={str(item)!r} is inside output={str(output)!r}: writing the "
+                              f"dataset there would delete its own input (move the input out, or "
+                              f"choose another output)")
 
 
 def input_bytes(kind: str, path: Path) -> int:

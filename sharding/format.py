@@ -19,6 +19,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -389,6 +390,10 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "switchyard-sharded-dataset"
 
 
+# What the writer names shard files (``shard_file_names``), and nothing else in a dataset.
+SHARD_FILE = re.compile(r"shard-\d+\.(bin|idx)")
+
+
 def shard_file_names(shard: int) -> tuple[str, str]:
     """Data and index file names of shard number ``shard``."""
     return f"shard-{shard:05d}.bin", f"shard-{shard:05d}.idx"
@@ -567,3 +572,18 @@ def format_schema(schema: Schema | Iterable[tuple[str, FieldSpec]]) -> str:
     """``{x: float32[*, 64], y: int64[]}``."""
     items = schema.items() if isinstance(schema, Mapping) else schema
     return "{" + ", ".join(f"{n}: {s}" for n, s in items) + "}"
+
+
+def foreign_files(path: Path) -> list[str]:
+    """Names of the entries in dataset directory ``path`` that its dataset does not own: anything
+    but the manifest, the shard files it lists and files named like shards (a dataset whose
+    manifest no longer lists them still wrote them)."""
+    owned = {MANIFEST_NAME}
+    try:
+        manifest = Manifest.from_json((path / MANIFEST_NAME).read_text(), path / MANIFEST_NAME)
+    except (OSError, UnicodeDecodeError, DatasetError):
+        manifest = None  # damaged: only the names the writer gives its files count as owned
+    if manifest is not None:
+        owned |= {name for s in manifest.shards for name in (s.data_file, s.index_file)}
+    return sorted(p.name for p in path.iterdir()
+                  if p.name not in owned and not (SHARD_FILE.fullmatch(p.name) and p.is_file()))

@@ -12,7 +12,6 @@ it lists still matches.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,12 +22,14 @@ from sharding.format import (
     MANIFEST_NAME,
     OFFSET_DTYPE,
     REBUILD_HINT,
+    SHARD_FILE,
     CorruptDatasetError,
     DatasetError,
     Manifest,
     ShardInfo,
     file_checksum,
     fingerprint,
+    foreign_files,
     index_head_encoder,
     new_hasher,
     read_buffer,
@@ -195,10 +196,6 @@ def _xxh3(view: memoryview) -> str:
     return hasher.hexdigest()
 
 
-# What the writer names shard files; any such file in the directory belongs to a listed shard.
-_SHARD_FILE = re.compile(r"shard-\d+\.(bin|idx)")
-
-
 def _verify_file_names(root: Path, manifest: Manifest) -> list[Problem]:
     """Each shard's files are its own, and every shard file in the directory is listed: a shard
     entry copied over another (its samples read twice) or deleted (its samples gone, with
@@ -212,11 +209,15 @@ def _verify_file_names(root: Path, manifest: Manifest) -> list[Problem]:
                     f"{key} {name!r} is also shard {owner[name]}'s: its samples would be read "
                     f"twice, and this shard's own files not at all")))
             owner.setdefault(name, shard)
-    unlisted = sorted(p.name for p in root.iterdir() if _SHARD_FILE.fullmatch(p.name) and p.name not in owner)
+    unlisted = sorted(p.name for p in root.iterdir() if SHARD_FILE.fullmatch(p.name) and p.name not in owner)
     problems += [Problem(str(root / name), None, (
         f"not listed in the manifest ({len(manifest.shards)} shards, {manifest.num_samples} "
         f"samples): the dataset leaves its samples out (its entry deleted or overwritten?)"))
         for name in unlisted]
+    problems += [Problem(str(root / name), None, (
+        "not part of the dataset: jobs.prepare overwrite=true refuses to replace a dataset while "
+        "its directory holds other files (move it out)"))
+        for name in foreign_files(root)]
     return problems
 
 

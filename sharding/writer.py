@@ -50,6 +50,7 @@ from sharding.format import (
     describe_array,
     dtype_name,
     encode_index_head,
+    foreign_files,
     new_hasher,
     pad8,
     shard_file_names,
@@ -67,8 +68,10 @@ _OWN_TEMP_DIRS: set[Path] = set()
 def check_output(path: Path, overwrite: bool) -> None:
     """Refuse an existing ``path`` unless ``overwrite`` and it is a dataset or an empty directory.
 
-    Called before any work starts, and again just before publishing. Overwrite never deletes a
-    directory that is not a dataset: ``output=$HOME overwrite=true`` must not erase a home.
+    Called before any work starts, and again just before publishing. Overwrite replaces only what
+    a dataset owns: a directory that is not a dataset (``output=$HOME overwrite=true`` must not
+    erase a home), or a dataset directory holding any other file (the user's notes, the very input
+    being converted), is refused, naming what would be lost.
     """
     if not path.exists() and not path.is_symlink():
         return
@@ -78,6 +81,12 @@ def check_output(path: Path, overwrite: bool) -> None:
     if not path.is_dir() or not ((path / MANIFEST_NAME).is_file() or not any(path.iterdir())):
         raise DatasetError(f"{path} exists and is not a dataset (no {MANIFEST_NAME}): "
                            f"overwrite=true only replaces datasets; remove it yourself")
+    if foreign := foreign_files(path):
+        shown = ", ".join(repr(name) for name in foreign[:5])
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise DatasetError(f"{path} holds files that are not part of its dataset: {shown}{more}; "
+                           f"overwrite=true would delete them with the old dataset: move them out "
+                           f"(or choose another output)")
 
 
 class DatasetWriter:
@@ -425,12 +434,14 @@ def human_bytes(num_bytes: int) -> str:
 
 
 def remove_stale_siblings(path: Path) -> list[Path]:
-    """Remove what killed writers of ``path`` left: ``.<name>.tmp-*`` directories whose lock this
-    process can take, and ``.<name>.old-*`` ones once ``path`` exists (a publish moves the old
+    """Remove what killed writers left beside ``path``: ``.<any name>.tmp-*`` directories whose
+    lock this process can take, and ``.<name>.old-*`` ones once ``path`` exists (a publish moves the old
     dataset there, renames the new one in, then deletes it; before ``path`` exists again, an old
     one may be the only copy of the previous dataset). Returns what was removed."""
     removed = []
-    for candidate in sorted(path.parent.glob(f".{path.name}.tmp-*")):
+    # Any writer's: a prepare killed while writing another output of this directory left its
+    # temp directory here too, and the lock tells a dead writer's from a live one's just as well.
+    for candidate in sorted(path.parent.glob(".*.tmp-*")):
         fd = None if candidate in _OWN_TEMP_DIRS else _take_lock(candidate / LOCK_NAME)
         if fd is None:
             continue  # a live writer's, or one nobody can judge

@@ -67,14 +67,31 @@ class _Hashing:
 
 
 def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Write atomically (its checksum first), then drop all but the newest ``keep_last``."""
+    """Write atomically (its checksum first), then drop all but the newest ``keep_last``.
+
+    Only rank 0 of the one run that holds this directory saves here, so a temp file already
+    present is what a save killed earlier left (``.step-N.pt.XXXX.tmp``, as large as a
+    checkpoint): it is removed first, as the sharded format removes its partial directories."""
     final = path_for(directory, step)
+    remove_leftovers(directory)
     with atomic_write(final, binary=True) as f:
         hashing = _Hashing(f)
         torch.save(state, hashing)  # type: ignore[arg-type]  # torch needs write() only
         write_text(checksum_path(final), hashing.hash.hexdigest() + "\n")  # before the rename below
     prune(directory, keep_last)
     return final
+
+
+def remove_leftovers(directory: Path) -> list[Path]:
+    """Delete the temp files of killed saves (checkpoints and their checksum files), nothing else."""
+    removed = [p for p in directory.glob(".step-*.pt*.tmp") if _LEFTOVER.fullmatch(p.name)]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
+# atomic_write's temp names: "." + the final name + "." + mkstemp's random part + ".tmp".
+_LEFTOVER = re.compile(r"\.step-\d+\.pt(" + re.escape(CHECKSUM_SUFFIX) + r")?\.[A-Za-z0-9_]+\.tmp")
 
 
 def file_checksum(path: Path) -> str:
