@@ -40,9 +40,11 @@ entries with the same padding flags, and far less padding (``LengthGroupedBatchS
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing.context
 import os
+import signal
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -366,11 +368,27 @@ class ShardedLoader(DataLoader[Batch]):
     """
 
     def __init__(self, dataset: RankDataset, *args: Any, ring_slots: int | None = None,
-                 **kwargs: Any) -> None:
+                 worker_ignores: tuple[signal.Signals, ...] = (), **kwargs: Any) -> None:
+        if worker_ignores:
+            kwargs["worker_init_fn"] = functools.partial(
+                _ignore_signals, worker_ignores, kwargs.get("worker_init_fn"))
         super().__init__(dataset, *args, **kwargs)
         self.ring_slots = ring_slots
+        self.worker_ignores = worker_ignores
 
     def _get_iterator(self) -> Any:
+        if self.num_workers == 0 or not self.worker_ignores:
+            return self._start_workers()
+        # Blocked while the workers start, so a signal sent to the whole job in that instant
+        # waits in a worker until its init function ignores it (and in this process until the
+        # iterator exists, then it is handled here as usual): never torch's worker handler.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, self.worker_ignores)
+        try:
+            return self._start_workers()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def _start_workers(self) -> Any:
         dataset = cast(RankDataset, self.dataset)
         if self.num_workers == 0:
             return super()._get_iterator()
@@ -389,6 +407,18 @@ class ShardedLoader(DataLoader[Batch]):
         # Kept alive as long as batches can arrive from these workers.
         iterator._switchyard_rings = rings  # type: ignore[attr-defined]
         return iterator
+
+
+def _ignore_signals(signals: tuple[signal.Signals, ...], then: Callable[[int], None] | None,
+                    worker_id: int) -> None:
+    """A worker's init: ``signals`` are the main process's to act on. torch's worker handler dies
+    of SIGTERM, and the main process then raises "DataLoader worker (pid N) is killed by signal"
+    before it reaches the step boundary where it would checkpoint."""
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    if then is not None:
+        then(worker_id)
 
 
 def ring_bytes(dataset: RankDataset, batch_size: int, num_workers: int, slots: int | None = None,
@@ -432,6 +462,7 @@ def make_loader(
     length_field: str | None = None,
     multiprocessing_context: str | None = None,
     ring_slots: int | None = None,
+    worker_ignores: tuple[signal.Signals, ...] = (),
 ) -> ShardedLoader:
     """A DataLoader of padded batches of this rank's entries: RankDataset + a batch sampler
     over ``sampler`` + ``pass_batch``. ``len(loader)`` is the same on every rank.
@@ -442,7 +473,8 @@ def make_loader(
     padded field); see LengthGroupedBatchSampler. Pass a RankDataset to choose ``fixed`` or
     ``pad_value``. ``ring_slots``: batch slots per worker in shared memory reused across
     batches (default ``prefetch_factor + 2``; 0 builds every worker batch in fresh shared
-    memory, as torch does); see ShardedLoader.
+    memory, as torch does); see ShardedLoader. ``worker_ignores``: signals the workers ignore,
+    leaving them to the main process (a trainer's stop signals: SIGTERM, SIGUSR2).
     """
     if ring_slots is not None and ring_slots < 0:
         raise ValueError(f"ring_slots={ring_slots} is invalid: must be >= 0 (0 turns the rings off)")
@@ -463,6 +495,7 @@ def make_loader(
     return ShardedLoader(
         dataset,
         ring_slots=ring_slots,
+        worker_ignores=worker_ignores,
         batch_sampler=batch_sampler,
         # DataLoader's stub types collate_fn as taking a list; with __getitems__ it gets the batch.
         collate_fn=cast(Callable[[list[Any]], Any], pass_batch),

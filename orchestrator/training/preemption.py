@@ -21,6 +21,11 @@ import threading
 from enum import IntEnum
 from types import FrameType
 
+# The signals that ask for a stop. Only the training process acts on them: its DataLoader workers
+# ignore them (torch's worker handler would die of SIGTERM, which SLURM sends to every process of
+# the step, and the trainer would raise before it reaches the step boundary and checkpoints).
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
 
 class StopReason(IntEnum):
     """Ordered so that a MAX-reduction across ranks picks the most severe reason."""
@@ -55,8 +60,8 @@ class StopFlag:
 
     def install(self) -> None:
         """Replace the launcher's handlers (submitit checkpoints inside them, on rank 0 only)."""
-        signal.signal(signal.SIGUSR2, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.request(StopReason.TIME_LIMIT if signum == signal.SIGUSR2 else StopReason.PREEMPTED)

@@ -413,7 +413,8 @@ class Trainer:
                                       policy=cast(Policy, cfg.data.policy))
         self.loader = make_loader(self.train_ds, self.sampler, batch_size=cfg.data.batch_size,
                                   num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
-                                  group_by_length=cfg.data.group_by_length)
+                                  group_by_length=cfg.data.group_by_length,
+                                  worker_ignores=preemption.STOP_SIGNALS)
         self.step = 0
         self.real_samples = torch.zeros((), dtype=torch.int64, device=rt.device)  # trained on; no host read
         self.batches_seen = 0
@@ -430,7 +431,8 @@ class Trainer:
         sampler = ShardedSampler(self.eval_ds.shard_counts, world_size=self.rt.env.world_size,
                                  rank=self.rt.env.rank, seed=self.cfg.seed, policy="pad", shuffle=False)
         return make_loader(self.eval_ds, sampler, batch_size=self.cfg.data.batch_size,
-                           num_workers=self.cfg.data.num_workers, pin_memory=self.rt.device.type == "cuda")
+                           num_workers=self.cfg.data.num_workers, pin_memory=self.rt.device.type == "cuda",
+                           worker_ignores=preemption.STOP_SIGNALS)
 
     def agree_before_first_step(self) -> None:
         eval_batches = len(self.eval_loader()) if self.eval_ds is not None else 0

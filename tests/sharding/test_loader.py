@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -318,3 +321,33 @@ def test_import_sharding_stays_free_of_torch() -> None:
             "assert 'torch' in sys.modules; print(ShardedSampler.__name__, make_loader.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["ShardedSampler", "make_loader"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Signals sent to the whole job reach the workers too
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2])
+def test_workers_leave_the_stop_signals_to_the_main_process(varied_path: Path, signum: int) -> None:
+    """SLURM signals every process of the step. Before: a worker died of SIGTERM through torch's
+    worker handler and the next batch raised "DataLoader worker (pid N) is killed by signal", so a
+    preempted trainer never reached the step where it would checkpoint. Now the workers ignore it,
+    the main process's handler sees it once, and every batch still arrives."""
+    seen: list[int] = []
+    previous = signal.signal(signum, lambda s, f: seen.append(s))
+    try:
+        sampler = ShardedSampler(open_dataset(varied_path).shard_counts, world_size=1, rank=0, seed=0)
+        loader = make_loader(varied_path, sampler, batch_size=16, num_workers=2,
+                             persistent_workers=False, worker_ignores=(signal.SIGTERM, signal.SIGUSR2))
+        iterator = iter(loader)
+        first = next(iterator)
+        workers = [w.pid for w in iterator._workers]  # type: ignore[attr-defined]
+        for pid in [*workers, os.getpid()]:  # what `scancel --signal` does to a job step
+            os.kill(pid, signum)
+        time.sleep(0.5)  # long enough for a worker that dies of it to be noticed
+        rest = list(iterator)
+    finally:
+        signal.signal(signum, previous)
+    assert seen == [signum]
+    assert len(rest) == len(loader) - 1
+    assert sorted(i for i, pad in entries([first, *rest]) if not pad) == list(range(301))

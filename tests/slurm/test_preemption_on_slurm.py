@@ -167,3 +167,38 @@ def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path)
     assert resumed["steps"] == uninterrupted["steps"] == 60
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
     assert resumed["samples_per_rank"] == uninterrupted["samples_per_rank"]
+
+
+@pytest.mark.parametrize(("strategy", "sig"), [("ddp", "TERM"), ("ddp", "USR2"), ("fsdp", "TERM"),
+                                               ("fsdp", "USR2")])
+def test_a_signal_with_dataloader_workers_stops_at_a_step_and_checkpoints(
+        tmp_path: Path, uninterrupted: dict, strategy: str, sig: str) -> None:  # type: ignore[type-arg]
+    """data.num_workers=2, as on GPU nodes. SLURM signals every process of the step, the forked
+    workers too. Before: a worker died of SIGTERM and the trainer raised "DataLoader worker (pid N)
+    is killed by signal: Terminated" with no checkpoint, and sacct said FAILED."""
+    run_dir = tmp_path / "run"
+    extra = ["parallelism.strategy=fsdp", "optim.max_steps=60"] if strategy == "fsdp" else []
+    job_id = submit_without_waiting(tmp_path, "run", "data.num_workers=2", *extra)
+    try:
+        wait_for_step(run_dir, 15)
+        subprocess.run(["scancel", f"--signal={sig}", job_id], check=True)
+        if sig == "USR2":
+            release_requeue_hold(job_id)
+        states = slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    logs = all_logs(run_dir)
+    assert "DataLoader worker" not in logs, logs[-3000:]
+    if sig == "TERM":
+        stop = re.search(r"stopped by PREEMPTED at step (\d+); checkpoint in", logs)
+        assert stop is not None, logs[-3000:]
+        kind = ".dcp" if strategy == "fsdp" else ".pt"
+        saved = [int(p.name[5:14]) for p in (run_dir / "checkpoints").glob(f"step-*{kind}")]
+        assert saved == [int(stop.group(1))] and not (run_dir / "summary.json").exists()
+        return
+    assert states[job_id] == "COMPLETED", logs[-3000:]
+    assert f"requeued job {job_id}" in logs and "resumed from" in logs
+    resumed = summary(run_dir)
+    assert resumed["steps"] == (60 if strategy == "fsdp" else 120)
+    if strategy == "ddp":  # workers change nothing of the order: the reference ran with none
+        assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
