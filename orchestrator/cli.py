@@ -49,6 +49,29 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_USAGE = "switchyard run [--dry-run] [key=value ...] [-m] -- COMMAND [ARG ...]"
+
+
+def _run(argv: Sequence[str]) -> int:
+    """``switchyard run``: everything before ``--`` goes to Hydra, everything after is the command."""
+    from orchestrator.scripts import job
+    from orchestrator.terminal import refuse_control
+
+    if refused := refuse_control(["run", *argv]):
+        print(f"switchyard run: error: {refused}", file=sys.stderr)
+        return 2
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            print(f"usage: {RUN_USAGE}\n\n{job.__doc__}")
+            return 0
+        print(f"switchyard run: error: no command: put it after `--` ({RUN_USAGE})", file=sys.stderr)
+        return 2
+    split = list(argv).index("--")
+    overrides, command = list(argv[:split]), list(argv[split + 1:])
+    overrides = ["cluster.dry_run=true" if o == "--dry-run" else o for o in overrides]
+    return job.main(overrides, command)
+
+
 def _sweeps(args: argparse.Namespace) -> int:
     """status, logs, show, cancel, resubmit: each a thin call into orchestrator.sweeps.status."""
     from orchestrator.sweeps import registry, status
@@ -126,11 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG path (default RUN/telemetry/memory.png)")
     p.set_defaults(func=_plot)
 
+    sub.add_parser("run", help="any command as every rank of a job: " + RUN_USAGE, add_help=False)
+
     _add_sweep_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["run"]:  # Hydra parses its overrides (-m included), argparse never sees them
+        return _run(given[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -29,8 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.training": BASE | {"orchestrator.launch", "orchestrator.telemetry", "sharding"},
     "orchestrator.sweeps": BASE | {"orchestrator.launch", "orchestrator.telemetry",
                                    "orchestrator.training"},
+    # your own command or function as a job: no trainer
+    "orchestrator.scripts": BASE | {"orchestrator.launch", "orchestrator.telemetry", "orchestrator.sweeps"},
     "orchestrator.cli": BASE | {"orchestrator.launch", "orchestrator.telemetry", "orchestrator.training",
-                                "orchestrator.sweeps", "orchestrator.localcluster", "sharding"},
+                                "orchestrator.sweeps", "orchestrator.scripts", "orchestrator.localcluster",
+                                "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
     "jobs": {"orchestrator", "sharding"},
     "hydra_plugins": {"orchestrator"},

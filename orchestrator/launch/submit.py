@@ -148,11 +148,32 @@ class RankEntry:
         return self.fn(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class CheckpointableRankEntry(RankEntry):
+    """A RankEntry around a function with submitit's ``checkpoint()`` protocol. submitit asks
+    ``hasattr(function, "checkpoint")`` on the time-limit signal: a plain RankEntry hid the user's
+    hook, so such a job was never requeued. This one passes the call through and wraps what it
+    returns (the submission to resume with) again, so the requeued job still says who it is."""
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        resumed = getattr(self.fn, "checkpoint")(*args, **kwargs)  # noqa: B009 (Callable has none)
+        if resumed is not None:
+            resumed.function = rank_entry(resumed.function)
+        return resumed
+
+
+def rank_entry(fn: Callable[..., Any]) -> RankEntry:
+    """What ``submit`` queues: ``fn`` behind its rank banner, its checkpoint() hook kept."""
+    if isinstance(fn, RankEntry):
+        return fn
+    return CheckpointableRankEntry(fn) if callable(getattr(fn, "checkpoint", None)) else RankEntry(fn)
+
+
 def submit(executor: submitit.Executor, fn: Callable[..., R], *args: Any, **kwargs: Any
            ) -> submitit.Job[R]:
     """Queue ``fn`` on every rank; an sbatch refusal is one line naming sbatch's reason."""
     try:
-        return executor.submit(RankEntry(fn), *args, **kwargs)
+        return executor.submit(rank_entry(fn), *args, **kwargs)
     except (FailedJobError, submitit.core.utils.FailedSubmissionError) as e:  # submitit raises either
         said = " ".join(line.removeprefix("sbatch: error: ").strip()
                         for line in str(e).splitlines() if "error" in line.lower())

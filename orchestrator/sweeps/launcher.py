@@ -482,11 +482,12 @@ def _run_reporting(run: Callable[[], JobReturn], report: TaskStatus, run_dir: st
     import cloudpickle
     from hydra.core.utils import JobStatus
 
+    from orchestrator.launch.rank_env import AttemptNotOver
     from orchestrator.training.preemption import JobStopped
 
     try:
         ret = run()
-    except JobStopped:
+    except (JobStopped, AttemptNotOver):
         raise
     except SystemExit as e:  # the app called sys.exit
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

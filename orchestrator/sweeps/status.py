@@ -37,6 +37,7 @@ from orchestrator.sweeps.registry import (
     default_path,
     reconcile,
 )
+from orchestrator.sweeps.single import is_single
 from orchestrator.telemetry.files import read_end_summary, telemetry_dir
 from orchestrator.telemetry.stats import Digest
 from orchestrator.telemetry.summary import format_summary, summarize, summary_of
@@ -578,6 +579,11 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
     ref = parse_ref(registry, target)
     if ref.num is not None:
         raise CommandError(f"resubmit takes a sweep: switchyard resubmit {ref.sweep_id} --failed")
+    sweep = registry.sweep(ref.sweep_id)
+    if is_single(sweep.entry_path):
+        raise CommandError(f"{ref.sweep_id} is a single job ({sweep.app}: {sweep.command or '-'}), not a "
+                           f"sweep: it has no saved points to resubmit; run its command again (with "
+                           f"hydra.run.dir={sweep.sweep_dir} to resume in its run directory)")
     print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
     try:
         resubmitted = sweeps.resubmit_failed(registry, ref.sweep_id)

@@ -1,0 +1,203 @@
+"""``switchyard run [OVERRIDES] -- COMMAND...``: the submitting side.
+
+Compose ``conf/run.yaml`` with the overrides (Hydra: the same ``cluster`` and ``parallelism``
+groups as ``jobs.train``, ``-m`` sweeps through the same launcher), check what can be checked
+here, write the run directory (the command, the resolved config, the environment), submit
+:func:`orchestrator.scripts.rank.run_rank` as every rank, record the job in the registry, and wait
+for it, failing with the failing rank's name and log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from orchestrator import atomic
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_app_check
+from orchestrator.launch import dist_env, rank_env, run_lock, slurm_request, submit
+from orchestrator.scripts import rank
+from orchestrator.scripts.schema import RunConfig, register_run_configs
+from orchestrator.sweeps import single
+from orchestrator.terminal import printable
+
+APP = "run"
+
+
+def load_config(cfg: DictConfig) -> RunConfig:
+    """DictConfig stops here: the typed RunConfig, every group's checks run."""
+    try:
+        return cast(RunConfig, OmegaConf.to_object(cfg))
+    except OmegaConfBaseException as e:  # OmegaConf wraps errors raised in __post_init__
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        raise cause or ConfigError(str(e)) from e
+
+
+def spec_of(cfg: RunConfig) -> rank.CommandSpec:
+    return rank.CommandSpec(argv=list(cfg.command), cwd=cfg.cwd or os.getcwd(),
+                            gpus_per_node=cfg.parallelism.gpus_per_node,
+                            max_requeues=cfg.cluster.max_requeues, signal_delay_s=cfg.cluster.signal_delay_s,
+                            rendezvous_timeout_s=cfg.cluster.rendezvous_timeout_s,
+                            telemetry=cfg.telemetry.enabled, telemetry_interval_s=cfg.telemetry.interval_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Before submission
+
+
+def check_before_submit(cfg: RunConfig) -> None:
+    """What would fail on every rank after the queue wait, found here: the command, the
+    directory it runs in, the GPUs of this machine (local), and SLURM's verdict (slurm)."""
+    check_command(cfg.command, Path(cfg.cwd or os.getcwd()))
+    if cfg.cluster.mode == "slurm":
+        params = submit.slurm_parameters(cfg.cluster, cfg.parallelism)
+        slurm_request.check(params, request_keys(cfg.parallelism))
+    elif cfg.parallelism.gpus_per_node > 0:
+        import torch
+
+        if cfg.parallelism.gpus_per_node > torch.cuda.device_count():
+            raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
+                              f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
+                              f"{torch.cuda.device_count()})")
+
+
+def check_command(argv: Sequence[str], cwd: Path) -> None:
+    if not argv:
+        raise ConfigError("nothing to run: give the command after `--` (try switchyard run "
+                          "cluster=local -- python train.py)")
+    if not cwd.is_dir():
+        raise ConfigError(f"cwd={str(cwd)!r} is invalid: not a directory (try cwd=null: the "
+                          f"directory switchyard run starts in)")
+    program = argv[0]
+    if "/" in program:
+        path = cwd / program
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ConfigError(f"the command {program!r} is not an executable file (from {cwd}): every "
+                              f"rank would fail to start it (try chmod +x {program}, or name its "
+                              f"interpreter first)")
+    elif shutil.which(program) is None:
+        raise ConfigError(f"the command {program!r} is not found on PATH here, and the ranks inherit "
+                          f"this PATH (check its spelling, or give its path)")
+    script = argv[1] if _is_python(program) and len(argv) > 1 and not argv[1].startswith("-") else None
+    if script is not None and not (cwd / script).is_file():
+        raise ConfigError(f"the script {argv[1]!r} does not exist in {cwd}: python would fail on every "
+                          f"rank (check the path, or set cwd=<the directory that holds it>)")
+
+
+def _is_python(program: str) -> bool:
+    name = Path(program).name
+    return name == "python" or (name.startswith("python")
+                                and name.removeprefix("python").replace(".", "").isdigit())
+
+
+def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
+    """The config keys behind each sbatch value, for an error that names the one to change."""
+    tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
+    return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
+
+
+def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
+    """The sweep launcher runs this on every point of ``switchyard run -m`` before queueing."""
+    typed = load_config(task_cfg)
+    check_before_submit(typed)
+    return typed.cluster, typed.parallelism
+
+
+register_app_check(RunConfig, check_sweep_point)
+
+
+# ------------------------------------------------------------------------------------------------
+# Submission
+
+
+def write_run_files(run_dir: Path, cfg: RunConfig, spec: rank.CommandSpec, config_yaml: str) -> None:
+    """RUN/command.sh (what runs, where), RUN/config.yaml (resolved) and RUN/env/submit.json."""
+    atomic.write_text(run_dir / "command.sh", f"cd {shlex.quote(spec.cwd)}\n{shlex.join(spec.argv)}\n")
+    atomic.write_text(run_dir / "config.yaml", config_yaml)
+    atomic.write_json(run_dir / "env" / "submit.json",
+                      {"host": socket.gethostname(), "python": sys.executable,
+                       "environment": rank_env.environment_record(os.environ, rank.KEPT_ENVIRONMENT)},
+                      indent=1)
+
+
+def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: str
+        ) -> list[rank.RankResult] | None:
+    if dist_env.inside_launched_job():  # a sweep point's task: this process is one rank
+        return [rank.run_rank(spec_of(cfg), str(run_dir))]
+    print(f"run_dir: {run_dir}", flush=True)
+    check_before_submit(cfg)
+    run_lock.check_free(run_dir)
+    spec = spec_of(cfg)
+    write_run_files(run_dir, cfg, spec, config_yaml)
+    if cfg.cluster.mode == "debug":
+        with rank.redirected_signals():
+            return report([rank.run_rank(spec, str(run_dir))], run_dir)
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit")
+    if cfg.cluster.dry_run:
+        print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
+              f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
+        return None
+    job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
+    recorded = single.record(APP, f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip(), run_dir,
+                             cfg.cluster.mode, str(job.job_id), Path(job.paths.folder), list(overrides),
+                             config_yaml)
+    print(f"job: {recorded.ref}", flush=True)
+    return wait_and_report(job, cfg.cluster, run_dir, recorded)
+
+
+def wait_and_report(job: submit.submitit.Job[rank.RankResult], cluster: ClusterConfig, run_dir: Path,
+                    recorded: single.Recorded) -> list[rank.RankResult] | None:
+    if cluster.mode == "slurm":
+        print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
+        if not cluster.wait:
+            print(f"not waiting (cluster.wait=false): follow it with switchyard status {recorded.ref}")
+            return None
+        submit.watch_pending(job, cluster.never_starts)
+    try:
+        results = submit.results(job, run_dir)
+    except submit.JobFailedError as e:
+        single.finish(recorded, "FAILED", 1, str(e).splitlines()[0])
+        raise
+    single.finish(recorded, "COMPLETED", 0)
+    return report(results, run_dir)
+
+
+def report(results: list[rank.RankResult], run_dir: Path) -> list[rank.RankResult]:
+    nodes = sorted({r.node for r in results})
+    print(f"done: {len(results)} rank(s) on {', '.join(nodes)} exited 0; summary: {run_dir / 'summary.json'}")
+    return results
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="run")
+def hydra_main(cfg: DictConfig) -> None:
+    try:
+        hydra_cfg = HydraConfig.get()
+        typed = load_config(cfg)
+        run(typed, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task),
+            OmegaConf.to_yaml(cfg, resolve=True))
+    except (ConfigError, submit.JobFailedError, rank.CommandFailed) as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(overrides: Sequence[str], command: Sequence[str]) -> int:
+    """``switchyard run``: Hydra parses ``overrides`` as for ``jobs.train`` (``-m`` included); the
+    command reaches the config as ``command``'s default, never through Hydra's override parser."""
+    register_run_configs(list(command))
+    saved = sys.argv
+    sys.argv = ["switchyard run", *overrides]
+    try:
+        hydra_main()
+    finally:
+        sys.argv = saved
+    return 0

@@ -1,0 +1,324 @@
+"""What each rank's Switchyard process does around the user's command.
+
+submitit starts one Switchyard process per rank (one srun task, one local process, or this process
+in debug mode). It checks the GPUs (preflight), serves or finds the job's store (``rank_env``),
+starts the command with torchrun's variables, samples memory (local rank 0 of each node), and
+turns the way the command ended into the job's outcome:
+
+- exit 0: this rank is done;
+- ``REQUEUE_EXIT_CODE`` (75, EX_TEMPFAIL: "try again"), or any end after SLURM's time-limit
+  signal (SIGUSR2): rank 0 requeues the job (``scontrol requeue``) up to ``cluster.max_requeues``;
+  a command still running ``signal_delay_s / 2`` after the signal is requeued anyway, so a script
+  that ignores it still comes back before the time limit;
+- after SIGTERM (preemption, ``scancel``, ``switchyard cancel``): nothing more, SLURM decides;
+- anything else: :class:`CommandFailed`, naming the rank, its node, the exit status or signal and
+  the last lines of its output. srun's ``--kill-on-bad-exit`` (or Switchyard locally) then stops
+  the other ranks, and the submitting side reports this rank as the cause.
+
+Signals: SLURM delivers them to every process of the step, the command included; submitit's local
+controller only to this process, which then passes SIGTERM and SIGUSR2 on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from orchestrator import atomic
+from orchestrator.launch import dist_env, rank_env, run_lock
+from orchestrator.sweeps.registry import TaskStatus
+from orchestrator.telemetry.files import clear_end_summary, register_rank, write_end_summary
+from orchestrator.telemetry.preflight import preflight
+from orchestrator.telemetry.sampler import MemorySampler
+from orchestrator.telemetry.summary import summarize
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL; the same number as switchyard.preemption.REQUEUE_EXIT_CODE
+TAIL_LINES = 8  # of each of stdout and stderr, in a failure's message
+DONE_WAIT_S = 60.0  # rank 0 keeps the store this long at most for the other ranks to end
+KEPT_ENVIRONMENT = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "CUDA_VISIBLE_DEVICES",
+                    "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_RESTART_COUNT", "HOSTNAME")
+
+
+class CommandFailed(RuntimeError):
+    """The command of one rank ended badly; the message names the rank, node, status and output."""
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """Everything a rank needs, pickled once at submission (nothing is composed on the node)."""
+
+    argv: list[str]
+    cwd: str
+    gpus_per_node: int
+    max_requeues: int
+    signal_delay_s: int
+    rendezvous_timeout_s: float
+    telemetry: bool = True
+    telemetry_interval_s: float = 5.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """One rank's outcome, what the submitting side gets back per rank."""
+
+    rank: int
+    node: str
+    exit_code: int
+    wall_s: float
+
+
+class StopRequest:
+    """SIGUSR2 (time limit) and SIGTERM (preemption) as they reach this process: recorded, and
+    passed on to the command where nothing else delivers them (``forward``)."""
+
+    def __init__(self, forward: bool) -> None:
+        self.forward = forward
+        self.signum: int | None = None
+        self.at = 0.0
+        self.child: subprocess.Popen[bytes] | None = None
+
+    def install(self) -> StopRequest:
+        for signum in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum != signal.SIGTERM:  # preemption outranks the time limit
+            self.signum, self.at = signum, time.monotonic()
+        if self.forward and self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    @property
+    def time_limit(self) -> bool:
+        return self.signum == signal.SIGUSR2
+
+    @property
+    def preempted(self) -> bool:
+        return self.signum == signal.SIGTERM
+
+
+def run_rank(spec: CommandSpec, run_dir: str) -> RankResult:
+    """The function every rank runs (through submitit, or in this process with cluster=debug)."""
+    env, run = dist_env.detect(), Path(run_dir)
+    stop = StopRequest(forward=env.source != "slurm").install()
+    with contextlib.ExitStack() as held:
+        if env.is_main:
+            held.enter_context(run_lock.hold(run, f"job {env.job_id} (rank 0, pid {os.getpid()} on "
+                                                  f"{env.hostname})"))
+        return _run_rank(spec, run, env, stop)
+
+
+def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopRequest) -> RankResult:
+    report = preflight(spec.gpus_per_node, env.local_rank, env.local_world_size)
+    print(report.describe(), flush=True)
+    rdzv = run / "rendezvous"
+    store, endpoint = rank_env.serve_or_find_store(env, rdzv, spec.rendezvous_timeout_s)
+    variables = {**spec.extra_env, **rank_env.rank_variables(env, endpoint, run, spec.max_requeues)}
+    _record_environment(run, env, variables)
+    status = _report_start(run, env)
+    started = time.monotonic()
+    child = spawn(spec, variables)
+    stop.child = child
+    register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index, pid=child.pid)
+    sampler = MemorySampler(run, env.hostname, spec.telemetry_interval_s) \
+        if spec.telemetry and env.is_local_main else None
+    try:
+        with sampler or contextlib.nullcontext():
+            code = wait(child, stop, env, spec)
+    finally:
+        _stop_child(child)
+        atomic.write_text(rank_env.done_file(rdzv, env, env.rank), "", durable=False)
+    result = RankResult(env.rank, env.hostname, code, time.monotonic() - started)
+    return conclude(result, spec, run, env, stop, status, store)
+
+
+def spawn(spec: CommandSpec, variables: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The user's command with this rank's variables; its output is this rank's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        return subprocess.Popen(spec.argv, cwd=spec.cwd, env={**os.environ, **variables},
+                                preexec_fn=_die_with_parent)
+    except OSError as e:
+        raise CommandFailed(f"cannot start {spec.argv[0]!r} in {spec.cwd}: {e}") from e
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when this Switchyard process dies (a SIGKILL from srun,
+    the OOM killer), so no rank's command outlives the process that reports on it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def wait(child: subprocess.Popen[bytes], stop: StopRequest, env: dist_env.DistEnv,
+         spec: CommandSpec) -> int:
+    """The command's exit status (negative: killed by that signal). Rank 0 stops waiting for a
+    command that ignores the time-limit signal half the warning time after it: -SIGUSR2."""
+    grace_s = max(spec.signal_delay_s / 2, 1.0)
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return child.wait(timeout=0.2)
+        if env.is_main and stop.time_limit and time.monotonic() - stop.at > grace_s:
+            print(f"switchyard: the command still runs {grace_s:.0f} s after the time-limit signal; "
+                  f"requeueing without its checkpoint", flush=True)
+            return -signal.SIGUSR2
+
+
+def _stop_child(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        child.kill()
+        child.wait()
+
+
+def conclude(result: RankResult, spec: CommandSpec, run: Path, env: dist_env.DistEnv,
+             stop: StopRequest, status: TaskStatus | None, store: Any) -> RankResult:
+    """This rank's outcome from how its command ended (the module docstring has the rules)."""
+    code = result.exit_code
+    if code == REQUEUE_EXIT_CODE or (stop.time_limit and code != 0):
+        _requeue_or_fail(result, spec, env, status)
+    if stop.preempted and code != 0:
+        print(f"switchyard: rank {env.rank} stopped by SIGTERM (preemption or cancel)", flush=True)
+        raise rank_env.AttemptNotOver(-1)  # no result: the attempt is not over, SLURM decides what comes next
+    if code != 0:
+        error = describe_failure(result, spec)
+        _report_end(run, status, 1, error.splitlines()[0], telemetry=spec.telemetry)
+        raise CommandFailed(error)
+    if env.is_main:
+        _wait_for_ranks(run / "rendezvous", env)
+        _write_summary(run, env, spec, result)
+        _report_end(run, status, 0, None, telemetry=False)
+    del store  # rank 0: the store lives until here, when every rank's command has ended
+    return result
+
+
+def _requeue_or_fail(result: RankResult, spec: CommandSpec, env: dist_env.DistEnv,
+                     status: TaskStatus | None) -> None:
+    """Rank 0 requeues (SLURM then stops every rank); the others leave without a result."""
+    asked = "asked to be requeued" if result.exit_code == REQUEUE_EXIT_CODE else "stopped at the time limit"
+    if env.source != "slurm":
+        raise CommandFailed(f"rank {env.rank}: the command {asked} (exit {result.exit_code}), but only "
+                            f"SLURM requeues (cluster=slurm); rerun with hydra.run.dir="
+                            f"{os.environ.get(rank_env.RUN_DIR_ENV, '<this run directory>')} to continue")
+    if not env.is_main:
+        raise rank_env.AttemptNotOver(0)  # not a failure: srun must not stop rank 0 before it requeues
+    if env.restart_count >= spec.max_requeues:
+        raise CommandFailed(f"job {env.job_id}: the command {asked} again after {env.restart_count} "
+                            f"requeues (cluster.max_requeues={spec.max_requeues}); raise "
+                            f"cluster.max_requeues or cluster.timeout_min")
+    requeue(env.job_id)
+    print(f"switchyard: requeued job {env.job_id}: the command {asked} "
+          f"({env.restart_count + 1}/{spec.max_requeues} requeues)", flush=True)
+    raise rank_env.AttemptNotOver(0)
+
+
+def requeue(job_id: str) -> None:
+    """Back into the queue; SLURM stops every rank and starts the job again, restart count + 1."""
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60,
+                          check=False)
+    if proc.returncode != 0:
+        raise CommandFailed(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")
+
+
+def describe_failure(result: RankResult, spec: CommandSpec) -> str:
+    """``rank 2 on node n2: `python x.py` exited with status 3`` and the last lines it printed."""
+    code = result.exit_code
+    killed = " (kill -9, or the OOM killer)" if code == -signal.SIGKILL else ""
+    how = f"exited with status {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}{killed}"
+    lines = [f"rank {result.rank} on node {result.node}: `{' '.join(spec.argv)}` {how}"]
+    for name, text in own_log_tails().items():
+        lines.append(f"its {name} ends:\n    " + "\n    ".join(text) if text else f"its {name} is empty")
+    return "\n".join(lines)
+
+
+def own_log_tails() -> dict[str, list[str]]:
+    """The last lines of this rank's submitit logs (where the command's output went); none in
+    debug mode, where the output is on the terminal."""
+    try:
+        import submitit
+
+        paths = submitit.JobEnvironment().paths
+    except Exception:  # not a submitit job: debug mode
+        return {}
+    return {name: _tail(path) for name, path in (("stderr", paths.stderr), ("stdout", paths.stdout))}
+
+
+def _tail(path: Path) -> list[str]:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    kept = [line for line in text.splitlines() if line.strip() and "submitit " not in line]
+    return kept[-TAIL_LINES:]
+
+
+def _wait_for_ranks(rdzv: Path, env: dist_env.DistEnv) -> None:
+    deadline = time.monotonic() + DONE_WAIT_S
+    missing = list(range(env.world_size))
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not rank_env.done_file(rdzv, env, r).exists()]
+        if missing:
+            time.sleep(0.1)
+
+
+def _record_environment(run: Path, env: dist_env.DistEnv, variables: dict[str, str]) -> None:
+    """RUN/env/rank-R.json: what Switchyard set for this rank, and the parts of its environment
+    that decide what ran (PATH, the virtual environment, the GPUs it saw)."""
+    record = {"node": env.hostname, "set": variables,
+              "inherited": rank_env.environment_record(os.environ, KEPT_ENVIRONMENT)}
+    atomic.write_json(run / "env" / f"rank-{env.rank}.json", record, indent=1, durable=False)
+
+
+def _report_start(run: Path, env: dist_env.DistEnv) -> TaskStatus | None:
+    """Rank 0's status file for ``switchyard status`` (a sweep point's, or a single job's)."""
+    if not env.is_main:
+        return None
+    clear_end_summary(run)
+    status = TaskStatus(job_id=env.job_id, started_at=time.time(), restarts=env.restart_count,
+                        node=env.hostname)
+    status.write(run)
+    return status
+
+
+def _report_end(run: Path, status: TaskStatus | None, code: int, error: str | None,
+                telemetry: bool) -> None:
+    if status is None:
+        return
+    if telemetry:
+        with contextlib.suppress(Exception):  # the command's own failure is what the job reports
+            write_end_summary(run, summarize(run))
+    TaskStatus(**{**status.__dict__, "ended_at": time.time(), "exit_code": code,
+                  "error": error}).write(run)
+
+
+def _write_summary(run: Path, env: dist_env.DistEnv, spec: CommandSpec, result: RankResult) -> None:
+    summary = {"world_size": env.world_size, "command": spec.argv, "exit_code": result.exit_code,
+               "wall_s": round(result.wall_s, 3), "node": env.hostname,
+               "memory": summarize(run) if spec.telemetry else None}
+    atomic.write_json(run / "summary.json", summary, indent=2)
+
+
+@contextlib.contextmanager
+def redirected_signals() -> Iterator[None]:
+    """Debug mode runs ranks in this process: its own handlers come back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def spec_json(spec: CommandSpec) -> str:
+    return json.dumps(asdict(spec), indent=1)

@@ -1,0 +1,126 @@
+"""`switchyard run -- COMMAND` in local and debug mode: an unmodified torchrun-style script as
+every rank, the run directory, the registry entry, and a failing rank named with its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launch import rank_env, rendezvous
+from orchestrator.launch.dist_env import DistEnv
+
+# Written against torch.distributed and torchrun's variables only: nothing of Switchyard.
+DDP_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    print(f"rank {rank}/{world} local {os.environ['LOCAL_RANK']}/{os.environ['LOCAL_WORLD_SIZE']} "
+          f"on {os.uname().nodename} run {os.environ['SWITCHYARD_RUN_DIR']}: sum={total.item():g}", flush=True)
+    if os.environ.get("FAIL_RANK") == str(rank):
+        print(f"rank {rank} gives up here", flush=True)
+        print("the last words of the failing rank", file=sys.stderr, flush=True)
+        sys.exit(3)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def switchyard_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+                   timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db"),
+                               **(env or {})})
+
+
+def rank_lines(run_dir: Path) -> list[str]:
+    logs = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.out")))
+    return [line for line in logs.splitlines() if line.startswith("rank ") and "sum=" in line]
+
+
+def test_an_unmodified_ddp_script_runs_as_every_local_rank(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={run_dir}", "parallelism.procs_per_node=3",
+                          "--", sys.executable, "ddp.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = rank_lines(run_dir)
+    assert sorted(line.split()[1] for line in lines) == ["0/3", "1/3", "2/3"]
+    assert all("sum=6" in line and f"run {run_dir}" in line for line in lines), lines
+    assert (run_dir / "command.sh").read_text().endswith(f"{sys.executable} ddp.py\n")
+    assert "procs_per_node: 3" in (run_dir / "config.yaml").read_text()
+    variables = json.loads((run_dir / "env" / "rank-2.json").read_text())["set"]
+    assert variables["RANK"] == "2" and variables["WORLD_SIZE"] == "3" and variables["MASTER_PORT"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 3 and summary["memory"]["mode"] == "cpu"
+    assert {r["rank"] for r in summary["memory"]["ranks"]} == {0, 1, 2}  # the scripts' own memory
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1/0", "--json"],
+                            capture_output=True, text=True, env={**os.environ,
+                            "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}, check=True)
+    (job,) = json.loads(status.stdout)["jobs"]
+    assert job["state"] == "COMPLETED" and job["run_dir"] == str(run_dir)
+
+
+def test_a_rank_exiting_3_fails_the_job_fast_naming_it_and_its_last_lines(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={run_dir}", "parallelism.procs_per_node=3",
+                          "--", sys.executable, "ddp.py", env={"FAIL_RANK": "1"})
+    assert proc.returncode == 2
+    assert time.monotonic() - started < 120
+    error = proc.stderr
+    assert "rank 1 on node" in error and "exited with status 3" in error, error
+    assert "rank 1 gives up here" in error and "the last words of the failing rank" in error
+    assert "were stopped after rank 1 failed" in error
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"],
+                            capture_output=True, text=True, env={**os.environ,
+                            "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}, check=True)
+    assert json.loads(status.stdout)["jobs"][0]["state"] == "FAILED"
+
+
+def test_debug_mode_runs_the_command_as_one_rank_in_this_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={run_dir}", "cluster=debug", "--", sys.executable, "ddp.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0/1 local 0/1" in proc.stdout and "sum=1" in proc.stdout
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ([], "nothing to run"),
+    (["no-such-program-here"], "'no-such-program-here' is not found on PATH"),
+    ([sys.executable, "missing.py"], "the script 'missing.py' does not exist"),
+])
+def test_a_command_that_cannot_run_is_refused_before_anything_starts(
+        tmp_path: Path, command: list[str], expected: str) -> None:
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", "--", *command)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "submitit").exists()
+
+
+def test_without_the_separator_the_usage_is_named(tmp_path: Path) -> None:
+    proc = switchyard_run(tmp_path, "cluster=local", "python", "ddp.py")
+    assert proc.returncode == 2 and "put it after `--`" in proc.stderr
+
+
+def test_each_rank_gets_torchruns_variables_and_the_run_directory(tmp_path: Path) -> None:
+    env = DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1, num_nodes=2,
+                  master_addr="n1", hostname="n2", job_id="77", restart_count=1, source="slurm")
+    variables = rank_env.rank_variables(env, rendezvous.Endpoint("n1", 40123), tmp_path, max_requeues=3)
+    assert {k: variables[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                      "MASTER_ADDR", "MASTER_PORT")} == \
+        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+         "MASTER_ADDR": "n1", "MASTER_PORT": "40123"}
+    assert variables["SWITCHYARD_RUN_DIR"] == str(tmp_path) and variables["SWITCHYARD_RESTART_COUNT"] == "1"
+    assert variables["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the ranks join the store served for them
