@@ -8,6 +8,9 @@ Inputs (``format=auto`` tells them apart by path):
   ``weights_only=True`` (no arbitrary pickles) and memory-mapped, so it need not fit in RAM.
 - ``megatron``: a Megatron-LM indexed dataset ``PREFIX.bin`` + ``PREFIX.idx``; every sequence
   becomes one 1-D sample (document boundaries are not kept).
+- ``text``: a ``.txt`` file, a ``.jsonl`` file or a directory of documents, tokenized into one
+  ``tokens`` sample per document with EOS appended (``jobs/text_corpus.py``); the manifest's
+  attributes name the tokenizer, whose ``tokenizer.json`` (if any) the dataset ships.
 
 A bare array becomes field ``field`` (default ``x``). Every input problem is reported before
 anything is created at ``output``; a problem found mid-way publishes nothing.
@@ -23,7 +26,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
+from jobs.text_corpus import (
+    TOKENIZER_FILE,
+    Corpus,
+    TextTokenizer,
+    TokenCount,
+    bytes_tokenizer,
+    corpus_files,
+    count_documents,
+    load_tokenizer,
+    token_samples,
+    train_bpe,
+)
 from orchestrator.config import ConfigError, PrepareConfig, invalid, register_configs
 from orchestrator.terminal import printable, refuse_control
 from sharding.format import DatasetError, WriteError, fingerprint
@@ -41,6 +56,15 @@ from sharding.writer import DatasetWriter, check_output, existing_ancestor, huma
 register_configs()  # before @hydra.main composes `defaults: [prepare_schema, ...]`
 
 Sample = dict[str, np.ndarray]
+DEFAULT_BPE_VOCAB = 16384
+
+
+def _no_attributes() -> dict[str, Any]:
+    return {}
+
+
+def _no_note() -> str:
+    return ""
 
 
 @dataclass(frozen=True)
@@ -49,10 +73,15 @@ class Source:
 
     kind: str
     path: Path
-    num_samples: int
+    num_samples: int  # for the progress bar: exact, or an upper bound (text: skipped documents)
     # Streams the samples; may start worker processes whose lifetime the ExitStack owns.
     open: Callable[[contextlib.ExitStack], Iterator[Sample]]
     describe: Callable[[int], str]  # sample number -> where it came from, for error messages
+    files: Mapping[str, bytes] = field(default_factory=dict)  # shipped in the dataset directory
+    # The manifest's attributes, asked for once every sample streamed (a corpus counts its tokens
+    # on the way), and a line for the user about the input (documents skipped).
+    attributes: Callable[[], dict[str, Any]] = _no_attributes
+    note: Callable[[], str] = _no_note
 
 
 @dataclass(frozen=True)
@@ -63,13 +92,15 @@ class PrepareResult:
     num_bytes: int
     seconds: float
     fingerprint: str
+    note: str = ""  # what the user should know about the input (documents skipped)
 
     def __str__(self) -> str:
         rate = self.num_samples / max(self.seconds, 1e-9)
         mb_rate = self.num_bytes / 1e6 / max(self.seconds, 1e-9)
-        return (f"wrote {self.num_samples} samples ({self.num_bytes / 1e6:.1f} MB) in "
+        line = (f"wrote {self.num_samples} samples ({self.num_bytes / 1e6:.1f} MB) in "
                 f"{self.num_shards} shards to {self.output} in {self.seconds:.1f} s "
                 f"({rate:,.0f} samples/s, {mb_rate:,.1f} MB/s); fingerprint {self.fingerprint}")
+        return f"{line}\n{self.note}" if self.note else line
 
 
 # ------------------------------------------------------------------------------------------------
@@ -79,7 +110,14 @@ class PrepareResult:
 def detect_format(input_path: str, fmt: str) -> tuple[str, Path]:
     """``(kind, path)`` for an input; a Megatron input is returned as its PREFIX (no suffix)."""
     path = Path(input_path).expanduser().absolute()
-    detectors = {"npy_dir": _as_npy_dir, "pt": _as_pt, "megatron": _as_megatron_prefix}
+    detectors = {"npy_dir": _as_npy_dir, "pt": _as_pt, "megatron": _as_megatron_prefix,
+                 "text": _as_text}
+    if fmt == "text":
+        found = _as_text_or_dir(path)
+        if found is None:
+            raise invalid("input", input_path, f"is not a text input ({_EXPECTED['text']})",
+                          "input=/path/to/corpus")
+        return fmt, found
     if fmt != "auto":
         found = detectors[fmt](path)
         if found is None:
@@ -100,7 +138,9 @@ _EXPECTED = {
     "npy_dir": "a directory of .npy files",
     "pt": "a .pt file holding a list of tensors or of dicts of tensors",
     "megatron": "a Megatron prefix P with P.bin and P.idx",
+    "text": "a .txt or .jsonl file, or with format=text a directory of text documents",
 }
+TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 def _as_npy_dir(path: Path) -> Path | None:
@@ -109,6 +149,15 @@ def _as_npy_dir(path: Path) -> Path | None:
 
 def _as_pt(path: Path) -> Path | None:
     return path if path.suffix == ".pt" and path.is_file() else None
+
+
+def _as_text(path: Path) -> Path | None:
+    """A file that says it is text; a directory only with format=text (it could hold anything)."""
+    return path if path.suffix.lower() in TEXT_SUFFIXES and path.is_file() else None
+
+
+def _as_text_or_dir(path: Path) -> Path | None:
+    return path if path.is_dir() or path.is_file() else None
 
 
 def _as_megatron_prefix(path: Path) -> Path | None:
@@ -125,7 +174,21 @@ def open_source(kind: str, path: Path, cfg: PrepareConfig) -> Source:
         return open_npy_dir(path, cfg.field, _num_workers(cfg.num_workers))
     if kind == "pt":
         return open_pt(path, cfg.field)
+    if kind == "text":
+        return open_text(path, cfg)
     return open_megatron(path, cfg.field)
+
+
+def check_keys_apply(kind: str, cfg: PrepareConfig) -> None:
+    """A key the detected input never reads is refused: tokenizer=bpe on a .npy directory would
+    otherwise do nothing, silently."""
+    text_only = {"tokenizer": cfg.tokenizer != "bytes", "tokenizer_vocab": cfg.tokenizer_vocab
+                 is not None, "eos_token": cfg.eos_token is not None, "skip_bad": cfg.skip_bad}
+    for key, is_set in text_only.items():
+        if is_set and kind != "text":
+            raise invalid(key, getattr(cfg, key), f"is only read for text inputs, and input="
+                                                  f"{cfg.input!r} is {kind}",
+                          f"format=text, or drop {key}")
 
 
 def _num_workers(requested: int) -> int:
@@ -140,7 +203,8 @@ def open_npy_dir(path: Path, field: str, num_workers: int) -> Source:
     files = sorted(p for p in path.iterdir() if p.suffix == ".npy" and p.is_file())
     if not files:
         raise invalid("input", str(path), "is a directory without .npy files (one sample each)",
-                      "input=/path/to/dir/of/npy")
+                      "input=/path/to/dir/of/npy, or format=text for a directory of text "
+                      "documents")
 
     def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
         if num_workers <= 1:
@@ -298,16 +362,46 @@ def open_megatron(prefix: Path, field: str) -> Source:
 
 
 # ------------------------------------------------------------------------------------------------
+# A text corpus
+
+
+def open_text(path: Path, cfg: PrepareConfig) -> Source:
+    """Documents -> one ``tokens`` sample each; a BPE is trained here, in a first pass, so a bad
+    document stops it before any output exists."""
+    corpus = Corpus(corpus_files(path), cfg.skip_bad)
+    num_documents = count_documents(corpus.files)
+    tokenizer = text_tokenizer(cfg, corpus, num_documents)
+    count = TokenCount()
+
+    def attributes() -> dict[str, Any]:
+        return {"tokenizer": tokenizer.attributes(), "num_documents": count.num_documents,
+                "num_tokens": count.num_tokens}
+
+    files = {} if tokenizer.json_bytes is None else {TOKENIZER_FILE: tokenizer.json_bytes}
+    return Source("text", path, num_documents, lambda stack: token_samples(corpus, tokenizer, count),
+                  lambda k: f"document {count.current}", files, attributes, corpus.skipped_note)
+
+
+def text_tokenizer(cfg: PrepareConfig, corpus: Corpus, num_documents: int) -> TextTokenizer:
+    if cfg.tokenizer == "bytes":
+        return bytes_tokenizer()
+    if cfg.tokenizer == "bpe":
+        return train_bpe(corpus, cfg.tokenizer_vocab or DEFAULT_BPE_VOCAB, num_documents)
+    return load_tokenizer(cfg.tokenizer, cfg.eos_token)
+
+
+# ------------------------------------------------------------------------------------------------
 # Converting
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     """Check the input and the output, then stream every sample into a new dataset."""
     kind, path = detect_format(cfg.input, cfg.format)
+    check_keys_apply(kind, cfg)
     output = Path(cfg.output).expanduser().absolute()
     check_input_outside(kind, path, output)
     check_output(output, cfg.overwrite)
-    check_space(output, input_bytes(kind, path))
+    check_space(output, dataset_bytes(kind, path, cfg.tokenizer))
     source = open_source(kind, path, cfg)
     return convert(source, output, cfg.shard_bytes, cfg.overwrite)
 
@@ -323,6 +417,14 @@ def check_input_outside(kind: str, path: Path, output: Path) -> None:
             raise ConfigError(f"input={str(item)!r} is inside output={str(output)!r}: writing the "
                               f"dataset there would delete its own input (move the input out, or "
                               f"choose another output)")
+
+
+def dataset_bytes(kind: str, path: Path, tokenizer: str) -> int:
+    """About the dataset's size: the input's, or twice it for text stored a uint16 per byte."""
+    if kind == "text":
+        size = sum(f.stat().st_size for f in corpus_files(path))
+        return 2 * size if tokenizer == "bytes" else size
+    return input_bytes(kind, path)
 
 
 def input_bytes(kind: str, path: Path) -> int:
@@ -351,6 +453,8 @@ def convert(source: Source, output: Path, shard_bytes: int, overwrite: bool) -> 
         samples = source.open(stack)
         writer = stack.enter_context(DatasetWriter(output, shard_bytes=shard_bytes,
                                                    overwrite=overwrite))
+        for name, data in source.files.items():
+            writer.add_file(name, data)
         bar = stack.enter_context(tqdm(total=source.num_samples, unit="sample", unit_scale=True,
                                        desc=f"prepare {source.kind}", mininterval=0.5))
         for number, sample in enumerate(samples):
@@ -359,11 +463,14 @@ def convert(source: Source, output: Path, shard_bytes: int, overwrite: bool) -> 
             if number % 512 == 0:
                 mb_per_s = writer.num_bytes / 1e6 / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{mb_per_s:,.1f} MB/s", refresh=False)
+        bar.total = bar.n  # the count was an upper bound where documents are blank or skipped
+        bar.refresh()
+        writer.attributes = source.attributes()
         num_samples, num_bytes = writer.num_samples, writer.num_bytes
     manifest = writer.manifest
     assert manifest is not None  # the writer published on leaving the with block
     return PrepareResult(output, num_samples, len(manifest.shards), num_bytes,
-                         time.perf_counter() - start, fingerprint(manifest))
+                         time.perf_counter() - start, fingerprint(manifest), source.note())
 
 
 def _append(writer: DatasetWriter, sample: Sample, source: Source, number: int) -> None:

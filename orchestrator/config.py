@@ -214,20 +214,29 @@ def _check_sbatch_value(key: str, value: str | None, allowed: re.Pattern[str]) -
 # jobs.prepare
 
 
-PREPARE_FORMATS = ("auto", "npy_dir", "pt", "megatron")
+PREPARE_FORMATS = ("auto", "npy_dir", "pt", "megatron", "text", "image_folder")
 
 
 @dataclass
 class PrepareConfig:
     """``python -m jobs.prepare input=... output=...``: raw samples -> a sharded dataset."""
 
-    input: str = MISSING  # a directory of .npy files, a .pt file, or a Megatron prefix (PREFIX.bin/.idx)
+    input: str = MISSING  # .npy directory, .pt file, Megatron prefix, text corpus or image folder
     output: str = MISSING  # the dataset directory to create; must not exist unless overwrite=true
-    format: str = "auto"  # auto | npy_dir | pt | megatron (auto: detected from the input path)
+    # auto | npy_dir | pt | megatron | text | image_folder (auto: detected from the input path;
+    # a .txt or .jsonl file is text, a directory of class folders of images is image_folder; a
+    # directory of text documents needs format=text)
+    format: str = "auto"
     shard_bytes: int = 256 * 2**20  # a shard's data file is rolled over at this size; no 4 GiB cap
     field: str = "x"  # field name given to samples that are a bare array (npy, megatron, list of tensors)
     num_workers: int = 0  # reader processes; 0 picks min(4, cpu count) when the input allows it
     overwrite: bool = False  # replace an existing dataset at output (published atomically)
+    # text: bytes (UTF-8 bytes, EOS 256) | bpe (trained on the input) | PATH of a tokenizer.json
+    tokenizer: str = "bytes"
+    tokenizer_vocab: int | None = None  # tokenizer=bpe: ids to train (>= 257); null: 16384
+    eos_token: str | None = None  # tokenizer=PATH: its EOS token; null: the first usual one it has
+    skip_bad: bool = False  # text: skip (and count) documents that are not UTF-8, instead of refusing
+    labels: str | None = None  # npy_dir: a .npy of one label per file (sorted order), stored as y
 
     def __post_init__(self) -> None:
         if self.format not in PREPARE_FORMATS:
@@ -243,6 +252,24 @@ class PrepareConfig:
         for key in ("input", "output"):
             if getattr(self, key) == "":
                 raise invalid(key, "", "must be a path", f"{key}=/path/to/data")
+        self._check_tokenizer_keys()
+
+    def _check_tokenizer_keys(self) -> None:
+        """A tokenizer key that the chosen tokenizer would not read is refused, not ignored."""
+        if not self.tokenizer:
+            raise invalid("tokenizer", "", "must be bytes, bpe or the path of a tokenizer.json",
+                          "tokenizer=bytes")
+        if self.tokenizer_vocab is not None and self.tokenizer != "bpe":
+            raise invalid("tokenizer_vocab", self.tokenizer_vocab,
+                          f"is only read by tokenizer=bpe (tokenizer={self.tokenizer})",
+                          "tokenizer=bpe, or drop tokenizer_vocab")
+        if self.tokenizer_vocab is not None and self.tokenizer_vocab < 257:
+            raise invalid("tokenizer_vocab", self.tokenizer_vocab,
+                          "must be >= 257 (the 256 bytes and EOS)", "tokenizer_vocab=16384")
+        if self.eos_token is not None and self.tokenizer in ("bytes", "bpe"):
+            raise invalid("eos_token", self.eos_token,
+                          f"is only read with a tokenizer.json path (tokenizer={self.tokenizer} "
+                          f"has its own EOS)", "drop eos_token")
 
 
 # ------------------------------------------------------------------------------------------------

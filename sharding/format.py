@@ -430,6 +430,15 @@ class ValueRange:
 
 
 @dataclass(frozen=True)
+class FileInfo:
+    """A file the dataset ships besides its shards (a tokenizer.json): name, size, checksum."""
+
+    name: str
+    num_bytes: int
+    xxh3_64: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a reader needs before touching a shard; JSON on disk."""
 
@@ -438,6 +447,11 @@ class Manifest:
     field_stats: dict[str, FieldStats] = field(default_factory=dict)
     shard_bytes: int = 0
     value_ranges: dict[str, ValueRange] = field(default_factory=dict)  # absent in older manifests
+    # What the samples mean to a trainer (a text dataset's tokenizer and vocabulary, an image
+    # dataset's class names): a JSON object, absent from the file when empty, so manifests and
+    # fingerprints of datasets without it are byte for byte what they were.
+    attributes: dict[str, Any] = field(default_factory=dict)
+    files: tuple[FileInfo, ...] = ()  # extra files of the dataset, checked by verify
 
     @property
     def num_samples(self) -> int:
@@ -463,6 +477,10 @@ class Manifest:
             "fields": fields,
             "shards": [vars(s) for s in self.shards],
         }
+        if self.attributes:
+            doc["attributes"] = self.attributes
+        if self.files:
+            doc["files"] = [vars(f) for f in self.files]
         return json.dumps(doc, indent=1) + "\n"
 
     @staticmethod
@@ -473,7 +491,9 @@ class Manifest:
             _check_manifest_header(doc)
             schema, stats, ranges = _parse_fields(doc["fields"])
             shards = tuple(_parse_shard(s) for s in doc["shards"])
-            manifest = Manifest(schema, shards, stats, int(doc.get("shard_bytes", 0)), ranges)
+            manifest = Manifest(schema, shards, stats, int(doc.get("shard_bytes", 0)), ranges,
+                                _parse_attributes(doc.get("attributes", {})),
+                                _parse_files(doc.get("files", []), shards))
             if manifest.num_samples != doc["num_samples"]:
                 raise ValueError(f"num_samples {doc['num_samples']} != the shards' sum "
                                  f"{manifest.num_samples}")
@@ -525,6 +545,43 @@ def _parse_shard(entry: Mapping[str, Any]) -> ShardInfo:
     return info
 
 
+def _parse_attributes(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"'attributes' is a {type(value).__name__}, expected a JSON object")
+    return value
+
+
+def _parse_files(entries: Any, shards: Sequence[ShardInfo]) -> tuple[FileInfo, ...]:
+    if not isinstance(entries, list):
+        raise ValueError(f"'files' is a {type(entries).__name__}, expected a list")
+    files = tuple(FileInfo(str(e["name"]), int(e["num_bytes"]), str(e["xxh3_64"]))
+                  for e in entries)
+    shard_names = {name for s in shards for name in (s.data_file, s.index_file)}
+    seen: set[str] = set()
+    for info in files:
+        problem = extra_file_name_problem(info.name)
+        if problem is None and (info.name in shard_names or info.name in seen):
+            problem = "is listed twice (or is also a shard file)"
+        if problem is not None:
+            raise ValueError(f"extra file name {info.name!r} {problem}")
+        if info.num_bytes < 0:
+            raise ValueError(f"extra file {info.name!r} has a negative size")
+        seen.add(info.name)
+    return files
+
+
+def extra_file_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an extra file of a dataset, or None: a plain, visible file name
+    that is neither the manifest nor named like a shard file (those names are the writer's)."""
+    if os.path.basename(name) != name or name in ("", ".", ".."):
+        return "is not a plain file name (no '/' or '..')"
+    if name.startswith("."):
+        return "starts with '.' (the writer's own temp and lock files do)"
+    if name == MANIFEST_NAME or SHARD_FILE.fullmatch(name):
+        return "is the manifest's or a shard file's name"
+    return None
+
+
 def read_manifest(root: Path) -> Manifest:
     """Load ``root/manifest.json``; a clear error if ``root`` is not a finished dataset."""
     path = root / MANIFEST_NAME
@@ -547,10 +604,17 @@ def fingerprint(manifest: Manifest) -> str:
 
     Ranks compare it at startup so they cannot silently train on different copies of the data.
     """
-    doc = {
+    doc: dict[str, Any] = {
         "schema": [[n, s.dtype, list(s.shape)] for n, s in manifest.schema.items()],
         "shards": [[s.num_samples, s.data_xxh3_64, s.index_xxh3_64] for s in manifest.shards],
     }
+    # Only when present, so every dataset written without them keeps its fingerprint. With them,
+    # two copies tokenized differently (another tokenizer.json) differ, as their tokens mean
+    # different things even where the shards happen to be equal.
+    if manifest.attributes:
+        doc["attributes"] = manifest.attributes
+    if manifest.files:
+        doc["files"] = [[f.name, f.xxh3_64] for f in manifest.files]
     return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True).encode())
 
 
@@ -576,8 +640,8 @@ def format_schema(schema: Schema | Iterable[tuple[str, FieldSpec]]) -> str:
 
 def foreign_files(path: Path) -> list[str]:
     """Names of the entries in dataset directory ``path`` that its dataset does not own: anything
-    but the manifest, the shard files it lists and files named like shards (a dataset whose
-    manifest no longer lists them still wrote them)."""
+    but the manifest, the shard files and extra files (a tokenizer.json) it lists, and files named
+    like shards (a dataset whose manifest no longer lists them still wrote them)."""
     owned = {MANIFEST_NAME}
     try:
         manifest = Manifest.from_json((path / MANIFEST_NAME).read_text(), path / MANIFEST_NAME)
@@ -585,5 +649,7 @@ def foreign_files(path: Path) -> list[str]:
         manifest = None  # damaged: only the names the writer gives its files count as owned
     if manifest is not None:
         owned |= {name for s in manifest.shards for name in (s.data_file, s.index_file)}
+        # Only as files: a directory named like one is not what the dataset wrote.
+        owned |= {f.name for f in manifest.files if (path / f.name).is_file()}
     return sorted(p.name for p in path.iterdir()
                   if p.name not in owned and not (SHARD_FILE.fullmatch(p.name) and p.is_file()))

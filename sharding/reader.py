@@ -237,6 +237,12 @@ class ShardedDataset:
         return self._fingerprint
 
     @property
+    def attributes(self) -> Mapping[str, Any]:
+        """What the writer recorded for readers (a text dataset's tokenizer, an image dataset's
+        classes); empty for datasets written without. Files it names lie in ``self.root``."""
+        return MappingProxyType(self.manifest.attributes)
+
+    @property
     def field_stats(self) -> Mapping[str, FieldStats]:
         """Min and max leading size of each variable field (e.g. to preallocate padded batches)."""
         return MappingProxyType(self.manifest.field_stats)

@@ -66,7 +66,7 @@ def _verify(root: Path) -> tuple[Manifest | None, list[Problem]]:
         return None, [Problem(e.file or str(root / MANIFEST_NAME), None, _strip_location(e))]
     except DatasetError as e:
         return None, [Problem(str(root), None, str(e).removeprefix(f"{root}: "))]
-    problems = _verify_file_names(root, manifest)
+    problems = _verify_file_names(root, manifest) + _verify_extra_files(root, manifest)
     figures: dict[int, Figures] = {}  # shard -> its figures, for shards that passed quickly
     head_of, layout = index_head_encoder(manifest.schema), _quick_layout(manifest)
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -218,6 +218,28 @@ def _verify_file_names(root: Path, manifest: Manifest) -> list[Problem]:
         "not part of the dataset: jobs.prepare overwrite=true refuses to replace a dataset while "
         "its directory holds other files (move it out)"))
         for name in foreign_files(root)]
+    return problems
+
+
+def _verify_extra_files(root: Path, manifest: Manifest) -> list[Problem]:
+    """The files shipped beside the shards (a text dataset's tokenizer.json): a changed tokenizer
+    would turn every stored token id into another word without any shard changing."""
+    problems = []
+    for info in manifest.files:
+        path = root / info.name
+        if not path.is_file():
+            problems.append(Problem(str(path), None, "is missing (the manifest lists it)"))
+            continue
+        size = path.stat().st_size
+        actual = file_checksum(path) if size == info.num_bytes else None
+        if size != info.num_bytes:
+            what = f"is {size} bytes, the manifest says {info.num_bytes}"
+        elif actual != info.xxh3_64:
+            what = (f"xxh3_64 checksum {actual} does not match the manifest's {info.xxh3_64}: the "
+                    f"file's bytes changed (an edit, or another file copied over it)")
+        else:
+            continue
+        problems.append(Problem(str(path), None, what))
     return problems
 
 

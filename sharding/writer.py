@@ -25,6 +25,7 @@ import array
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -41,6 +42,7 @@ from sharding.format import (
     DatasetError,
     FieldSpec,
     FieldStats,
+    FileInfo,
     Manifest,
     Schema,
     SchemaMismatchError,
@@ -50,6 +52,7 @@ from sharding.format import (
     describe_array,
     dtype_name,
     encode_index_head,
+    extra_file_name_problem,
     foreign_files,
     new_hasher,
     pad8,
@@ -97,10 +100,15 @@ class DatasetWriter:
 
     The schema comes from the first sample unless given; a leading dimension of 0 is fine.
     Big-endian input is converted to little-endian (the only byte order on disk).
+
+    ``attributes`` (a JSON object, also settable until ``close`` as ``writer.attributes``) go into
+    the manifest for readers (a text dataset's tokenizer); ``add_file`` ships a file beside the
+    shards (its tokenizer.json), published with them and checked by verify.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 schema: Schema | None = None, overwrite: bool = False):
+                 schema: Schema | None = None, overwrite: bool = False,
+                 attributes: Mapping[str, Any] | None = None):
         if shard_bytes < 8:
             raise DatasetError(f"shard_bytes={shard_bytes} is invalid: must be >= 8 "
                                f"(try shard_bytes={DEFAULT_SHARD_BYTES})")
@@ -131,6 +139,8 @@ class DatasetWriter:
         self.num_samples = 0
         self.num_bytes = 0  # data bytes written so far, padding included
         self.manifest: Manifest | None = None
+        self.attributes: dict[str, Any] = dict(attributes or {})
+        self._files: list[FileInfo] = []
 
     # -- context manager ---------------------------------------------------------------------
 
@@ -178,6 +188,20 @@ class DatasetWriter:
                 bounds[0], bounds[1] = min(bounds[0], value), max(bounds[1], value)
         self.num_samples += 1
         self.num_bytes += sum(sizes)
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """Ship ``data`` as file ``name`` of the dataset (a tokenizer.json): written into the temp
+        directory now, published with the shards, listed in the manifest with its checksum."""
+        if not self._is_open:
+            raise DatasetError(f"writer for {self.path} is closed: open a new DatasetWriter")
+        problem = extra_file_name_problem(name)
+        if problem is None and any(f.name == name for f in self._files):
+            problem = "was already added"
+        if problem is not None:
+            raise DatasetError(f"extra file name {name!r} {problem}: choose another name")
+        with self._io_errors_explained():
+            _write_synced(self._tmp / name, data)
+        self._files.append(FileInfo(name, len(data), xxhash.xxh3_64_hexdigest(data)))
 
     def close(self) -> Path:
         """Finish the last shard, write the manifest, fsync, and rename into place."""
@@ -268,7 +292,8 @@ class DatasetWriter:
     def _build_manifest(self) -> Manifest:
         stats = {n: FieldStats(lo, hi) for n, (lo, hi) in self._stats.items()}
         ranges = {n: ValueRange(lo, hi) for n, (lo, hi) in self._ranges.items()}
-        return Manifest(dict(self._schema or {}), tuple(self._shards), stats, self.shard_bytes, ranges)
+        return Manifest(dict(self._schema or {}), tuple(self._shards), stats, self.shard_bytes,
+                        ranges, _as_json_object(self.attributes, self.path), tuple(self._files))
 
     def _publish(self) -> None:
         check_output(self.path, self.overwrite)
@@ -335,6 +360,19 @@ class _ShardFile:
         # that error must not stop the abort from removing the temp directory.
         with contextlib.suppress(OSError):
             self._file.close()
+
+
+def _as_json_object(attributes: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """The attributes as they will read back from the manifest (a tuple becomes a list, an int
+    key a string), so the writer's manifest equals the reader's; anything JSON cannot hold (a
+    numpy number, NaN) is refused by name."""
+    try:
+        text = json.dumps(dict(attributes), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise DatasetError(f"attributes of {path} cannot be stored as JSON ({e}): use str, int, "
+                           f"float, bool, None, lists and dicts with str keys") from e
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
 
 
 def _check_name(name: object, number: int) -> str:
