@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
+from jobs.image_folder import check_same_shape, list_images, load_image, looks_like_image_folder
 from jobs.text_corpus import (
     TOKENIZER_FILE,
     Corpus,
@@ -50,7 +51,7 @@ from jobs.text_corpus import (
 )
 from orchestrator.config import ConfigError, PrepareConfig, invalid, register_configs
 from orchestrator.terminal import printable, refuse_control
-from sharding.format import DatasetError, WriteError, fingerprint
+from sharding.format import DatasetError, WriteError, describe_array, fingerprint
 from sharding.writer import DatasetWriter, check_output, existing_ancestor, human_bytes
 
 register_configs()  # before @hydra.main composes `defaults: [prepare_schema, ...]`
@@ -110,21 +111,13 @@ class PrepareResult:
 def detect_format(input_path: str, fmt: str) -> tuple[str, Path]:
     """``(kind, path)`` for an input; a Megatron input is returned as its PREFIX (no suffix)."""
     path = Path(input_path).expanduser().absolute()
-    detectors = {"npy_dir": _as_npy_dir, "pt": _as_pt, "megatron": _as_megatron_prefix,
-                 "text": _as_text}
-    if fmt == "text":
-        found = _as_text_or_dir(path)
-        if found is None:
-            raise invalid("input", input_path, f"is not a text input ({_EXPECTED['text']})",
-                          "input=/path/to/corpus")
-        return fmt, found
     if fmt != "auto":
-        found = detectors[fmt](path)
+        found = _EXPLICIT[fmt](path)
         if found is None:
             raise invalid("input", input_path, f"is not a {fmt} input ({_EXPECTED[fmt]})",
                           "format=auto, or the right path")
         return fmt, found
-    for kind, detect in detectors.items():
+    for kind, detect in _AUTO.items():
         found = detect(path)
         if found is not None:
             return kind, found
@@ -139,6 +132,7 @@ _EXPECTED = {
     "pt": "a .pt file holding a list of tensors or of dicts of tensors",
     "megatron": "a Megatron prefix P with P.bin and P.idx",
     "text": "a .txt or .jsonl file, or with format=text a directory of text documents",
+    "image_folder": "a directory of class folders of images, DIR/<class>/*.png|jpg|jpeg|npy",
 }
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -160,6 +154,15 @@ def _as_text_or_dir(path: Path) -> Path | None:
     return path if path.is_dir() or path.is_file() else None
 
 
+def _as_image_folder(path: Path) -> Path | None:
+    return path if looks_like_image_folder(path) else None
+
+
+def _as_dir(path: Path) -> Path | None:
+    return path if path.is_dir() else None
+
+
+
 def _as_megatron_prefix(path: Path) -> Path | None:
     candidates = [path.with_suffix("")] if path.suffix in (".bin", ".idx") else []
     for prefix in [*candidates, path]:
@@ -168,10 +171,20 @@ def _as_megatron_prefix(path: Path) -> Path | None:
     return None
 
 
+# format=auto tries these in order: an image folder before a .npy directory (both directories).
+_AUTO = {"image_folder": _as_image_folder, "npy_dir": _as_npy_dir, "pt": _as_pt,
+         "megatron": _as_megatron_prefix, "text": _as_text}
+# An explicit format takes what auto would not guess: any directory as text or an image folder.
+_EXPLICIT = {**_AUTO, "text": _as_text_or_dir, "image_folder": _as_dir}
+
+
 def open_source(kind: str, path: Path, cfg: PrepareConfig) -> Source:
     """Check an input fully enough that converting it can only fail on a bad sample."""
     if kind == "npy_dir":
-        return open_npy_dir(path, cfg.field, _num_workers(cfg.num_workers))
+        labels = None if cfg.labels is None else load_labels(cfg.labels, cfg.field)
+        return open_npy_dir(path, cfg.field, _num_workers(cfg.num_workers), labels)
+    if kind == "image_folder":
+        return open_image_folder(path, _num_workers(cfg.num_workers))
     if kind == "pt":
         return open_pt(path, cfg.field)
     if kind == "text":
@@ -189,6 +202,11 @@ def check_keys_apply(kind: str, cfg: PrepareConfig) -> None:
             raise invalid(key, getattr(cfg, key), f"is only read for text inputs, and input="
                                                   f"{cfg.input!r} is {kind}",
                           f"format=text, or drop {key}")
+    if cfg.labels is not None and kind != "npy_dir":
+        why = " (its labels are its class folders)" if kind == "image_folder" else ""
+        raise invalid("labels", cfg.labels, f"is only read for a directory of .npy files, and "
+                                            f"input={cfg.input!r} is {kind}{why}",
+                      "drop labels")
 
 
 def _num_workers(requested: int) -> int:
@@ -199,22 +217,60 @@ def _num_workers(requested: int) -> int:
 # A directory of .npy files
 
 
-def open_npy_dir(path: Path, field: str, num_workers: int) -> Source:
+def open_npy_dir(path: Path, field: str, num_workers: int,
+                 labels: LabelFile | None = None) -> Source:
     files = sorted(p for p in path.iterdir() if p.suffix == ".npy" and p.is_file())
     if not files:
         raise invalid("input", str(path), "is a directory without .npy files (one sample each)",
                       "input=/path/to/dir/of/npy, or format=text for a directory of text "
                       "documents")
+    if labels is not None and len(labels.values) != len(files):
+        raise invalid("labels", str(labels.path), f"holds {len(labels.values)} labels for the "
+                                                  f"{len(files)} .npy files of {path}",
+                      "one label per .npy file, in sorted file name order")
 
     def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
         if num_workers <= 1:
-            return ({field: _load_npy(f)} for f in files)
-        # fork: workers need nothing but numpy, and start in milliseconds. The pool is started
-        # here, before the progress bar exists, so no tqdm monitor thread is alive at fork time.
-        pool = stack.enter_context(multiprocessing.get_context("fork").Pool(num_workers))
-        return ({field: a} for a in pool.imap(_load_npy, files, chunksize=8))  # ordered
+            arrays: Iterator[np.ndarray] = (_load_npy(f) for f in files)
+        else:
+            # fork: workers need nothing but numpy, and start in milliseconds. The pool is
+            # started here, before the progress bar exists, so no tqdm monitor thread is alive at
+            # fork time.
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(num_workers))
+            arrays = pool.imap(_load_npy, files, chunksize=8)  # ordered
+        if labels is None:
+            return ({field: a} for a in arrays)
+        return ({field: a, LABEL_FIELD: y} for a, y in zip(arrays, labels.values, strict=True))
 
     return Source("npy_dir", path, len(files), open_samples, lambda k: f"file {files[k]}")
+
+
+LABEL_FIELD = "y"
+
+
+@dataclass(frozen=True)
+class LabelFile:
+    path: Path
+    values: np.ndarray  # [num_files]: int64 class labels, or float32 regression targets
+
+
+def load_labels(path_text: str, field: str) -> LabelFile:
+    """``labels=FILE.npy``: a 1-D array, one label per .npy file in sorted name order; integers
+    are stored as int64 (class labels), floats as float32 (regression targets)."""
+    path = Path(path_text).expanduser().absolute()
+    if field == LABEL_FIELD:
+        raise invalid("field", field, f"is the labels' field {LABEL_FIELD!r}", "field=x")
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise invalid("labels", path_text, f"is not a readable .npy array ({e})",
+                      "labels=/path/to/labels.npy") from e
+    if values.ndim != 1 or values.dtype.kind not in "iuf":
+        raise invalid("labels", path_text, f"holds {describe_array(values)}, expected a 1-D "
+                                           f"integer (or float) array",
+                      "np.save(path, np.asarray(labels, dtype=np.int64))")
+    kept = values.astype(np.int64 if values.dtype.kind in "iu" else np.float32)
+    return LabelFile(path, kept)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -362,6 +418,38 @@ def open_megatron(prefix: Path, field: str) -> Source:
 
 
 # ------------------------------------------------------------------------------------------------
+# An image folder
+
+
+def open_image_folder(path: Path, num_workers: int) -> Source:
+    """``DIR/<class>/*`` -> ``x`` uint8 ``[C, H, W]`` and ``y`` int64 (``jobs/image_folder.py``);
+    the class names, in label order, go into the manifest's attributes."""
+    classes, items = list_images(path)
+    files = [f for f, _ in items]
+
+    def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
+        if num_workers <= 1:
+            images: Iterator[np.ndarray] = (load_image(f) for f in files)
+        else:  # decoding is the cost: several processes, in order, as for .npy directories
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(num_workers))
+            images = pool.imap(load_image, files, chunksize=8)
+        return _image_samples(images, items)
+
+    return Source("image_folder", path, len(items), open_samples, lambda k: f"file {files[k]}",
+                  attributes=lambda: {"classes": classes})
+
+
+def _image_samples(images: Iterator[np.ndarray], items: list[tuple[Path, int]]
+                   ) -> Iterator[Sample]:
+    first: np.ndarray | None = None
+    for image, (path, label) in zip(images, items, strict=False):
+        if first is None:
+            first = image
+        check_same_shape(image, first, path, items[0][0])
+        yield {"x": image, LABEL_FIELD: np.array(label, dtype=np.int64)}
+
+
+# ------------------------------------------------------------------------------------------------
 # A text corpus
 
 
@@ -399,17 +487,19 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     kind, path = detect_format(cfg.input, cfg.format)
     check_keys_apply(kind, cfg)
     output = Path(cfg.output).expanduser().absolute()
-    check_input_outside(kind, path, output)
+    check_input_outside(kind, path, output, cfg.labels)
     check_output(output, cfg.overwrite)
     check_space(output, dataset_bytes(kind, path, cfg.tokenizer))
     source = open_source(kind, path, cfg)
     return convert(source, output, cfg.shard_bytes, cfg.overwrite)
 
 
-def check_input_outside(kind: str, path: Path, output: Path) -> None:
+def check_input_outside(kind: str, path: Path, output: Path, labels: str | None = None) -> None:
     """An input inside the output would be deleted by the publish that replaces the output (or,
     for a new output, be the directory the dataset is renamed onto): refuse it first."""
     inputs = [Path(f"{path}.bin"), Path(f"{path}.idx")] if kind == "megatron" else [path]
+    if labels is not None:
+        inputs.append(Path(labels).expanduser().absolute())
     target = output.resolve()
     for item in inputs:
         resolved = item.resolve()
@@ -431,6 +521,9 @@ def input_bytes(kind: str, path: Path) -> int:
     """The input's size on disk: the samples' bytes, which the dataset holds again (plus padding)."""
     if kind == "megatron":
         return Path(f"{path}.bin").stat().st_size
+    if kind == "image_folder":  # a lower bound: compressed images decode to more
+        _, items = list_images(path)
+        return sum(f.stat().st_size for f, _ in items)
     if path.is_dir():
         return sum(f.stat().st_size for f in path.glob("*.npy"))
     return path.stat().st_size
