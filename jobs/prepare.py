@@ -11,6 +11,10 @@ Inputs (``format=auto`` tells them apart by path):
 - ``text``: a ``.txt`` file, a ``.jsonl`` file or a directory of documents, tokenized into one
   ``tokens`` sample per document with EOS appended (``jobs/text_corpus.py``); the manifest's
   attributes name the tokenizer, whose ``tokenizer.json`` (if any) the dataset ships.
+- ``image_folder``: ``DIR/<class>/*.png|jpg|jpeg|npy`` -> ``x`` uint8 ``[C, H, W]`` and ``y`` int64,
+  the class names in the manifest's attributes (``jobs/image_folder.py``).
+
+``labels=FILE.npy`` adds field ``y`` to a ``npy_dir`` input, one label per file.
 
 A bare array becomes field ``field`` (default ``x``). Every input problem is reported before
 anything is created at ``output``; a problem found mid-way publishes nothing.

@@ -209,8 +209,9 @@ def _eos_id(tokenizer: Any, eos_token: str | None, where: str) -> int:
     specials = [t.content for t in tokenizer.get_added_tokens_decoder().values()][:10]
     what = (f"has no token {eos_token!r}" if eos_token is not None else
             f"has none of the usual EOS tokens {list(KNOWN_EOS_TOKENS)}")
+    # Quoted as the shell must pass it: Hydra's override grammar refuses a bare < or |.
     raise invalid("tokenizer", where, f"{what}; its added tokens are {specials}",
-                  f"eos_token={specials[0] if specials else '<|endoftext|>'}")
+                  f"'eos_token=\"{specials[0] if specials else '<|endoftext|>'}\"'")
 
 
 def _huggingface(tokenizer: Any, kind: str, eos_id: int, data: bytes) -> TextTokenizer:

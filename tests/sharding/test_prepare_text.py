@@ -154,7 +154,7 @@ def test_a_tokenizer_json_given_by_path_is_used_and_copied(tmp_path):
 def test_a_tokenizer_without_a_known_eos_names_its_tokens_and_the_key(tmp_path):
     tok_path = _word_tokenizer(tmp_path / "t.json", 10, eos="<END>")
     (tmp_path / "a.txt").write_text("w1")
-    with pytest.raises(ConfigError, match=r"none of the usual EOS tokens.*'<END>'.*eos_token=<END>"):
+    with pytest.raises(ConfigError, match=r"none of the usual EOS tokens.*'<END>'.*'eos_token=\"<END>\"'"):
         prepare(_config(tmp_path / "a.txt", tmp_path / "out", tokenizer=str(tok_path)))
     prepare(_config(tmp_path / "a.txt", tmp_path / "out", tokenizer=str(tok_path),
                     eos_token="<END>"))
@@ -237,3 +237,18 @@ def test_a_directory_is_text_only_when_asked(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"without .npy files.*format=text"):
         prepare(_config(root, tmp_path / "out"))
 
+
+
+def test_the_text_keys_compose_from_the_command_line():
+    from hydra import compose, initialize_config_module
+
+    from jobs.prepare import to_config
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        config = to_config(compose("prepare", overrides=[
+            "input=c", "output=o", "tokenizer=bpe", "tokenizer_vocab=500", "skip_bad=true"]))
+        assert (config.tokenizer, config.tokenizer_vocab, config.skip_bad) == ("bpe", 500, True)
+        config = to_config(compose("prepare", overrides=[
+            "input=c", "output=o", "tokenizer=t/tokenizer.json", 'eos_token="</s>"',
+            "labels=l.npy"]))
+        assert (config.eos_token, config.labels) == ("</s>", "l.npy")
