@@ -45,6 +45,10 @@ ENCODE_BATCH_CHARS = 16 * 2**20
 class BadDocument(DatasetError):
     """A document that is not UTF-8 text (or a .jsonl line without a string "text")."""
 
+    def __init__(self, where: str, why: str, fix: str):
+        super().__init__(f"{where}: {why}; {fix}, or skip such documents with skip_bad=true")
+        self.short = f"{where}: {why}"  # for the count of skipped ones, where the fix is moot
+
 
 def token_dtype(vocab_size: int) -> np.dtype[Any]:
     """The smallest unsigned dtype that holds every id below ``vocab_size``: uint16 up to 65536
@@ -116,7 +120,7 @@ class Corpus:
                     if not self.skip_bad:
                         raise
                     self.num_skipped += 1
-                    self.first_skipped = self.first_skipped or str(e)
+                    self.first_skipped = self.first_skipped or e.short
                     continue
                 yield where, text
 
@@ -142,19 +146,18 @@ def _decode(raw: bytes, where: str, is_jsonl: bool) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadDocument(f"{where}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}"
-                          f"); convert it to UTF-8, remove it, or skip such documents with "
-                          f"skip_bad=true") from e
+        raise BadDocument(where, f"not UTF-8 text (byte {e.start}: "
+                                 f"{raw[e.start:e.start + 1]!r})",
+                          "convert it to UTF-8, remove it") from e
     if not is_jsonl:
         return text
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadDocument(f"{where}: not JSON ({e}); fix the line, or skip such documents with "
-                          f"skip_bad=true") from e
+        raise BadDocument(where, f"not JSON ({e})", "fix the line") from e
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise BadDocument(f"{where}: expected a JSON object with a string \"text\" field; fix "
-                          f"the line, or skip such documents with skip_bad=true")
+        raise BadDocument(where, "expected a JSON object with a string \"text\" field",
+                          "fix the line")
     value: str = record["text"]
     return value
 

@@ -95,9 +95,18 @@ def test_skip_bad_skips_and_counts_documents_that_are_not_utf8(corpus, tmp_path)
     jsonl.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n{"no_text": 1}\n')
     result = prepare(_config(root, tmp_path / "out", format="text", skip_bad=True))
     assert "skipped 3 bad document(s)" in result.note and "latin1.txt" in result.note
+    assert "skip_bad=true), the first" in result.note and "skip such" not in result.note
     assert "skipped 3" in str(result)
     ds = open_dataset(tmp_path / "out")
     assert len(ds) == ds.attributes["num_documents"] == len(files) + 1  # + jsonl's "ok"
+
+
+def test_a_bad_jsonl_line_is_refused_by_file_and_line(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "ok"}\n\n{"text": 3}\n')
+    with pytest.raises(DatasetError, match=r"d.jsonl line 3: expected a JSON object with a string "
+                                           r"\"text\" field; fix the line, or skip such"):
+        prepare(_config(tmp_path / "d.jsonl", tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_skip_bad_is_printed_by_the_command(corpus, tmp_path):
