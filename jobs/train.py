@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,11 +29,10 @@ from orchestrator.config import (
     register_configs,
     unknown_keys,
 )
-from orchestrator.launch import attach, dist_env, rendezvous, run_lock, slurm_request, submit
+from orchestrator.launch import attach, dist_env, rendezvous, run_lock, submit
+from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
-from orchestrator.training import run_log, strategy, trainer
-from sharding import DatasetError, ShardedDataset, open_dataset
-from sharding.loader import RankDataset, check_shared_memory, ring_bytes
+from orchestrator.training import checks, trainer
 
 register_configs()
 
@@ -78,47 +76,11 @@ def data_paths(cfg: TrainConfig, generate: bool = False) -> trainer.DataPaths:
 
 
 def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
-    """Everything that can fail on the nodes and can be known here, checked here."""
+    """Everything that can fail on the nodes and can be known here (``training.checks``), after
+    the demo dataset is generated if it is the one trained on."""
     paths = data_paths(cfg, generate=True)
-    in_features = _check_dataset("data.path", paths.train, cfg)
-    if paths.eval is not None:
-        _check_dataset("data.eval_path", paths.eval, cfg)
-    if cfg.checkpoint.dir:
-        check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
-    if cfg.cluster.mode != "slurm":  # every rank is on this machine: its /dev/shm is theirs
-        _check_worker_memory(paths, cfg)
-    run_log.check_available(cfg.logger)
-    with torch.device("meta"):  # builds the model's structure without allocating its weights
-        model = trainer.build_model(cfg.model, in_features, trainer.output_classes(cfg.data), cfg.memory)
-    if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
-        strategy.shard_units(model, cfg.parallelism.fsdp_units)
-    if cfg.cluster.mode == "slurm":
-        slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
-                            request_keys(cfg.parallelism))
-    if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
-        raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
-                          f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
-                          f"{torch.cuda.device_count()})")
+    checks.check_before_submit(cfg, paths)
     return paths
-
-
-def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
-    """The config keys behind each sbatch value, for an error that names the one to change."""
-    tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
-    return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
-
-
-def _check_worker_memory(paths: trainer.DataPaths, cfg: TrainConfig) -> None:
-    """The worker batch rings of every rank on this machine (train and eval loaders at once) fit in
-    /dev/shm: known now, not as ENOSPC in the first epoch. On SLURM each rank's loader checks its
-    node's /dev/shm itself, before allocating."""
-    needed = sum(ring_bytes(RankDataset(path), cfg.data.batch_size, cfg.data.num_workers)
-                 for path in (paths.train, paths.eval) if path is not None)
-    try:
-        check_shared_memory(needed, cfg.data.batch_size, cfg.data.num_workers,
-                            ranks=cfg.parallelism.world_size)
-    except DatasetError as e:
-        raise ConfigError(str(e)) from e
 
 
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
@@ -129,56 +91,6 @@ def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismC
 
 
 register_app_check(TrainConfig, check_sweep_point)
-
-
-def check_writable_dir(key: str, path: Path) -> None:
-    """``path`` is, or can become, a directory this user writes: known now, not at the first save
-    at the end of training. Creates nothing."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        where = "it" if existing == path else f"{existing} (on its path)"
-        raise ConfigError(f"{key}={str(path)!r} is invalid: {where} is a file, not a directory "
-                          f"(try {key}=<a directory>)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={str(path)!r} is invalid: {existing} is not writable by this user "
-                          f"(try {key}=<a directory you can write>)")
-
-
-def _check_dataset(key: str, path: str, cfg: TrainConfig) -> int:
-    """Open (cheap: header and sizes) and check the fields; returns the input's feature count."""
-    try:
-        ds = open_dataset(path)
-    except DatasetError as e:
-        raise ConfigError(f"{key}={path!r} cannot be opened: {e}") from e
-    x, y = cfg.data.input_field, cfg.data.target_field
-    fields = ", ".join(f"{n}: {s.dtype}{list(s.shape)}" for n, s in ds.schema.items())
-    if x not in ds.schema or len(ds.schema[x].shape) != 2 or not ds.schema[x].dtype.startswith("float"):
-        raise ConfigError(f"data.input_field={x!r} is invalid: it must name a float [rows, features] "
-                          f"field of {path} (fields: {fields})")
-    if y not in ds.schema or ds.schema[y].shape != () or "int" not in ds.schema[y].dtype:
-        raise ConfigError(f"data.target_field={y!r} is invalid: it must name an integer scalar "
-                          f"field of {path} (fields: {fields})")
-    try:
-        _check_labels(key, path, ds, cfg)
-    except DatasetError as e:  # a dataset without a recorded range is scanned: a damaged shard shows
-        raise ConfigError(f"{key}={path!r} cannot be read: {e}") from e
-    return trainer.feature_count(ds, x)
-
-
-def _check_labels(key: str, path: str, ds: ShardedDataset, cfg: TrainConfig) -> None:
-    """Every label is a class index the model has: known now, not as 'Target 3 is out of bounds'
-    on every rank after a queue wait."""
-    lo, hi = ds.value_range(cfg.data.target_field)
-    classes = trainer.output_classes(cfg.data)
-    where = f"{key}={path!r} has labels {lo}..{hi} in {cfg.data.target_field!r}"
-    if lo < 0:
-        raise ConfigError(f"{where}: class indices must be >= 0 (relabel the dataset)")
-    if hi >= classes:
-        option = "data.num_classes" if cfg.data.num_classes else "data.demo_classes"
-        raise ConfigError(f"{option}={classes} is invalid: {where}, so the model needs at least "
-                          f"{hi + 1} classes (try {option}={hi + 1})")
 
 
 def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any] | None:
@@ -198,13 +110,17 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
               f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
         return None
     job = submit.submit(executor, trainer.train_rank, cfg, paths, str(run_dir))
+    # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
+    recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
+                                       OmegaConf.to_yaml(cfg))
     if cfg.cluster.mode == "slurm":
         print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
         if not cfg.cluster.wait:
-            print(f"not waiting (cluster.wait=false): follow it with squeue -j {job.job_id}")
+            follow = f"switchyard status {recorded.ref}" if recorded else f"squeue -j {job.job_id}"
+            print(f"not waiting (cluster.wait=false): follow it with {follow}")
             return None
         submit.watch_pending(job, cfg.cluster.never_starts)
-    return report(submit.results(job, run_dir)[0], run_dir)
+    return report(single.results(recorded, job, run_dir)[0], run_dir)
 
 
 def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, explicit: set[str]

@@ -37,6 +37,18 @@ def slurm_cluster() -> None:
     pytest.skip(message)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def isolated_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every job, single ones included, enters the registry: tests that name none write to a
+    session file, never to the user's ~/.local/share/switchyard/registry.db."""
+    saved = os.environ.get("SWITCHYARD_REGISTRY")
+    if saved is None:
+        os.environ["SWITCHYARD_REGISTRY"] = str(tmp_path_factory.mktemp("registry") / "registry.db")
+    yield
+    if saved is None:
+        os.environ.pop("SWITCHYARD_REGISTRY", None)
+
+
 @pytest.fixture(autouse=True)
 def isolated_hydra_version_base() -> Iterator[None]:
     """Hydra keeps ``version_base`` in a process-wide singleton: a test that composes with

@@ -306,7 +306,7 @@ def results(job: submitit.Job[R], run_dir: Path | None = None) -> list[R]:
 # Errors a rank raises because *another* rank went away: consequences, not causes.
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator)|"
                         r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout|DistNetworkError|"
-                        r"rank 0 stopped before training")
+                        r"rank 0 stopped before training|after rank \d+ had failed")
 # A collective that waited too long: gloo raises on the waiting ranks, NCCL's watchdog aborts them.
 _COLLECTIVE_TIMEOUT = re.compile(r"Application timeout caused pair closure|Timed out waiting|"
                                  r"Watchdog caught collective operation timeout|"

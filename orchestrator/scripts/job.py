@@ -148,28 +148,16 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
               f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
         return None
     job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
-    recorded = single.record(APP, f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip(), run_dir,
-                             cfg.cluster.mode, str(job.job_id), Path(job.paths.folder), list(overrides),
-                             config_yaml)
-    print(f"job: {recorded.ref}", flush=True)
-    return wait_and_report(job, cfg.cluster, run_dir, recorded)
-
-
-def wait_and_report(job: submit.submitit.Job[rank.RankResult], cluster: ClusterConfig, run_dir: Path,
-                    recorded: single.Recorded) -> list[rank.RankResult] | None:
-    if cluster.mode == "slurm":
+    command = f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip()
+    recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml)
+    if cfg.cluster.mode == "slurm":
         print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
-        if not cluster.wait:
-            print(f"not waiting (cluster.wait=false): follow it with switchyard status {recorded.ref}")
+        if not cfg.cluster.wait:
+            follow = f"switchyard status {recorded.ref}" if recorded else f"squeue -j {job.job_id}"
+            print(f"not waiting (cluster.wait=false): follow it with {follow}")
             return None
-        submit.watch_pending(job, cluster.never_starts)
-    try:
-        results = submit.results(job, run_dir)
-    except submit.JobFailedError as e:
-        single.finish(recorded, "FAILED", 1, str(e).splitlines()[0])
-        raise
-    single.finish(recorded, "COMPLETED", 0)
-    return report(results, run_dir)
+        submit.watch_pending(job, cfg.cluster.never_starts)
+    return report(single.results(recorded, job, run_dir), run_dir)
 
 
 def report(results: list[rank.RankResult], run_dir: Path) -> list[rank.RankResult]:

@@ -134,12 +134,15 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
     register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index, pid=child.pid)
     sampler = MemorySampler(run, env.hostname, spec.telemetry_interval_s) \
         if spec.telemetry and env.is_local_main else None
+    code, ended_at = -signal.SIGKILL, time.time()
     try:
         with sampler or contextlib.nullcontext():
             code = wait(child, stop, env, spec)
+            ended_at = time.time()
     finally:
         _stop_child(child)
-        atomic.write_text(rank_env.done_file(rdzv, env, env.rank), "", durable=False)
+        atomic.write_json(rank_env.done_file(rdzv, env, env.rank), {"exit_code": code, "ended_at": ended_at},
+                          durable=False)
     result = RankResult(env.rank, env.hostname, code, time.monotonic() - started)
     return conclude(result, spec, run, env, stop, status, store)
 
@@ -192,7 +195,7 @@ def conclude(result: RankResult, spec: CommandSpec, run: Path, env: dist_env.Dis
         print(f"switchyard: rank {env.rank} stopped by SIGTERM (preemption or cancel)", flush=True)
         raise rank_env.AttemptNotOver(-1)  # no result: the attempt is not over, SLURM decides what comes next
     if code != 0:
-        error = describe_failure(result, spec)
+        error = describe_failure(result, spec, first_failure(run / "rendezvous", env))
         _report_end(run, status, 1, error.splitlines()[0], telemetry=spec.telemetry)
         raise CommandFailed(error)
     if env.is_main:
@@ -231,15 +234,33 @@ def requeue(job_id: str) -> None:
         raise CommandFailed(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")
 
 
-def describe_failure(result: RankResult, spec: CommandSpec) -> str:
-    """``rank 2 on node n2: `python x.py` exited with status 3`` and the last lines it printed."""
+def describe_failure(result: RankResult, spec: CommandSpec, first: int | None = None) -> str:
+    """``rank 2 on node n2: `python x.py` exited with status 3`` and the last lines it printed;
+    ``first``: another rank whose command had failed before this one's (this is a consequence)."""
     code = result.exit_code
     killed = " (kill -9, or the OOM killer)" if code == -signal.SIGKILL else ""
     how = f"exited with status {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}{killed}"
-    lines = [f"rank {result.rank} on node {result.node}: `{' '.join(spec.argv)}` {how}"]
+    after = f" after rank {first} had failed" if first is not None and first != result.rank else ""
+    lines = [f"rank {result.rank} on node {result.node}: `{' '.join(spec.argv)}` {how}{after}"]
     for name, text in own_log_tails().items():
         lines.append(f"its {name} ends:\n    " + "\n    ".join(text) if text else f"its {name} is empty")
     return "\n".join(lines)
+
+
+def first_failure(rdzv: Path, env: dist_env.DistEnv, settle_s: float = 1.0) -> int | None:
+    """The rank whose command failed first, from every rank's done file: a rank that loses a
+    peer fails too, a moment later, with an error of its own ("connection closed"), and must not
+    be reported as the cause. Waits ``settle_s`` for the others' files first."""
+    time.sleep(settle_s)
+    ends = []
+    for rank in range(env.world_size):
+        try:
+            done = json.loads(rank_env.done_file(rdzv, env, rank).read_text())
+        except (OSError, ValueError):
+            continue
+        if done.get("exit_code") not in (0, None):
+            ends.append((float(done["ended_at"]), rank))
+    return min(ends)[1] if ends else None
 
 
 def own_log_tails() -> dict[str, list[str]]:

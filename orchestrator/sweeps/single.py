@@ -11,12 +11,20 @@ names the command to run instead.
 
 from __future__ import annotations
 
+import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import atomic
-from orchestrator.sweeps.registry import Job, Observation, Registry, Submitted
+from orchestrator.sweeps.registry import Job, Observation, Registry, RegistryError, Submitted, TaskStatus
+
+if TYPE_CHECKING:
+    import submitit
+
+R = TypeVar("R")
 
 POINT_DIR = ".switchyard"  # as a sweep point's: RUN/.switchyard/config.yaml
 SINGLE_NUM = 0  # the one job of a single job's "sweep"
@@ -29,6 +37,8 @@ class Recorded:
     registry: Path
     sweep_id: int
     attempt_id: int
+    run_dir: Path
+    job_id: str
 
     @property
     def ref(self) -> str:
@@ -48,14 +58,49 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
         array_id, _, index = job_id.partition("_")
         registry.confirm([Submitted(attempt_id, job_id, array_id if index else None,
                                     int(index) if index else None, str(log_dir))])
-        return Recorded(registry.path, sweep_id, attempt_id)
+        return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id)
+
+
+def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],
+                     config_yaml: str) -> Recorded | None:
+    """``record`` for a job just queued; a registry that cannot take it is a warning, not an
+    error: the job runs anyway, and says so."""
+    from submitit.local.local import LocalJob  # here: `switchyard status` imports this module, light
+
+    executor = "local" if isinstance(job, LocalJob) else "slurm"
+    try:
+        recorded = record(app, command, run_dir, executor, str(job.job_id), Path(job.paths.folder),
+                          overrides, config_yaml)
+    except (RegistryError, sqlite3.Error, OSError) as e:
+        print(f"warning: job {job.job_id} runs, but the registry did not record it: {e}", file=sys.stderr)
+        return None
+    print(f"job: {recorded.ref} (switchyard status {recorded.ref})", flush=True)
+    return recorded
+
+
+def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path) -> list[R]:
+    """``submit.results``, and the end it saw recorded in the registry."""
+    from orchestrator.launch import submit
+
+    try:
+        values = submit.results(job, run_dir)
+    except submit.JobFailedError as e:
+        if recorded is not None:
+            finish(recorded, "FAILED", 1, str(e).splitlines()[0])
+        raise
+    if recorded is not None:
+        finish(recorded, "COMPLETED", 0)
+    return values
 
 
 def finish(recorded: Recorded, state: str, exit_code: int | None, error: str | None = None) -> None:
     """The submitting side saw the job end (a blocking run): record it now, so ``status`` is right
-    even for a job whose ranks wrote no status file."""
+    even for a job whose ranks wrote no status file (what rank 0 wrote, if anything, is kept)."""
+    status = TaskStatus.read(recorded.run_dir, recorded.job_id)
     with Registry(recorded.registry) as registry:
-        registry.observe([Observation(recorded.attempt_id, state, ended_at=time.time(),
+        registry.observe([Observation(recorded.attempt_id, state, requeues=status.restarts if status else 0,
+                                      started_at=status.started_at if status else None,
+                                      node=status.node if status else None, ended_at=time.time(),
                                       exit_code=exit_code, error=error[-2000:] if error else None)])
 
 

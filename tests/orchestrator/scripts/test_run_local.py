@@ -7,34 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from script_helpers import DDP_SCRIPT
 
 from orchestrator.launch import rank_env, rendezvous
 from orchestrator.launch.dist_env import DistEnv
-
-# Written against torch.distributed and torchrun's variables only: nothing of Switchyard.
-DDP_SCRIPT = textwrap.dedent("""
-    import os, sys
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    total = torch.tensor([float(rank + 1)])
-    dist.all_reduce(total)
-    print(f"rank {rank}/{world} local {os.environ['LOCAL_RANK']}/{os.environ['LOCAL_WORLD_SIZE']} "
-          f"on {os.uname().nodename} run {os.environ['SWITCHYARD_RUN_DIR']}: sum={total.item():g}", flush=True)
-    if os.environ.get("FAIL_RANK") == str(rank):
-        print(f"rank {rank} gives up here", flush=True)
-        print("the last words of the failing rank", file=sys.stderr, flush=True)
-        sys.exit(3)
-    dist.barrier()
-    dist.destroy_process_group()
-""")
 
 
 def switchyard_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
@@ -92,7 +72,8 @@ def test_a_rank_exiting_3_fails_the_job_fast_naming_it_and_its_last_lines(tmp_pa
 
 def test_debug_mode_runs_the_command_as_one_rank_in_this_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = switchyard_run(tmp_path, f"hydra.run.dir={run_dir}", "cluster=debug", "--", sys.executable, "ddp.py")
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={run_dir}", "cluster=debug",
+                          "--", sys.executable, "ddp.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0/1 local 0/1" in proc.stdout and "sum=1" in proc.stdout
 

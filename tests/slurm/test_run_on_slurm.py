@@ -1,0 +1,123 @@
+"""`switchyard run` and single jobs on the real two-node cluster: an unmodified DDP script as 4
+ranks on n1 and n2, a failing rank named fast, and single jobs in `switchyard status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from script_helpers import DDP_SCRIPT  # torch.distributed and torchrun's variables only
+
+from orchestrator.launch import slurm_query
+
+pytestmark = pytest.mark.slurm
+
+
+TWO_NODES = ["cluster=slurm", "parallelism.nodes=2", "parallelism.procs_per_node=2"]
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+
+
+@pytest.fixture
+def queued() -> Iterator[list[str]]:
+    """SLURM job ids a test queued: cancelled at the end, passed or failed."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, check=False)
+
+
+def switchyard(env: dict[str, str], cwd: Path, *args: str, timeout_s: float = 300
+               ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def job_id_of(proc: subprocess.CompletedProcess[str], queued: list[str]) -> str:
+    match = re.search(r"slurm_job_id: (\S+)", proc.stdout)
+    assert match is not None, proc.stdout + proc.stderr[-3000:]
+    queued.append(match.group(1))
+    return match.group(1)
+
+
+def test_an_unmodified_ddp_script_runs_as_4_ranks_on_both_nodes(
+        tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    proc = switchyard(registry, tmp_path, "run", *TWO_NODES, f"hydra.run.dir={run_dir}",
+                      "--", sys.executable, "ddp.py")
+    job_id = job_id_of(proc, queued)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.out")))
+    sums = re.findall(r"rank (\d)/4 local \d/2 .*: sum=(\S+)", logs)
+    assert sorted(sums) == [("0", "10"), ("1", "10"), ("2", "10"), ("3", "10")], logs[-2000:]
+    nodes = {json.loads((run_dir / "env" / f"rank-{r}.json").read_text())["node"] for r in range(4)}
+    assert nodes == {"n1", "n2"}
+    assert (run_dir / "telemetry" / "n1.jsonl").stat().st_size > 0
+    assert (run_dir / "telemetry" / "n2.jsonl").stat().st_size > 0
+    memory = json.loads((run_dir / "summary.json").read_text())["memory"]
+    assert {r["rank"] for r in memory["ranks"]} == {0, 1, 2, 3}
+    listed = json.loads(switchyard(registry, tmp_path, "status", job_id, "--json").stdout)
+    (job,) = listed["jobs"]
+    assert job["slurm_id"] == job_id and job["state"] == "COMPLETED" and job["run_dir"] == str(run_dir)
+    assert "-- " in listed["sweep"]["command"] and listed["sweep"]["app"] == "run"
+
+
+def test_one_rank_exiting_3_fails_the_job_within_seconds_naming_it_and_its_last_lines(
+        tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    proc = switchyard({**registry, "FAIL_RANK": "2"}, tmp_path, "run", *TWO_NODES,
+                      "cluster.collective_timeout_s=900", f"hydra.run.dir={run_dir}",
+                      "--", sys.executable, "ddp.py")
+    job_id = job_id_of(proc, queued)
+    assert proc.returncode == 2
+    error = proc.stderr
+    assert "rank 2 on node n2" in error and "exited with status 3" in error, error
+    assert "rank 2 gives up here" in error and "the last words of the failing rank" in error
+    assert "ranks [0, 1, 3] were stopped after rank 2 failed" in error
+    states = slurm_query.wait_for_terminal_states([job_id], timeout_s=60)
+    assert states[job_id] == "FAILED"
+    started, ended = _times(job_id)
+    assert ended - started < 60, "fail-fast: the others are not left waiting in a collective"
+
+
+def _times(job_id: str) -> tuple[float, float]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "Start,End"], capture_output=True,
+                         text=True, check=True).stdout.split()[0]
+    start, end = out.split("|")
+    parse = lambda s: time.mktime(time.strptime(s, "%Y-%m-%dT%H:%M:%S"))  # noqa: E731
+    return parse(start), parse(end)
+
+
+def test_a_single_train_job_not_waited_for_is_in_switchyard_status(
+        tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "cluster=slurm", "cluster.wait=false",
+                           "optim.max_steps=20", f"data.cache_dir={tmp_path / 'cache'}",
+                           f"hydra.run.dir={run_dir}"], env=registry, capture_output=True, text=True,
+                          timeout=300)
+    job_id = job_id_of(proc, queued)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "switchyard status 1/0" in proc.stdout
+    listed = switchyard(registry, tmp_path, "status", "--json")
+    (sweep,) = json.loads(listed.stdout)["sweeps"]
+    assert sweep["app"] == "train" and sweep["jobs"] == 1 and "cluster.wait=false" in sweep["command"]
+    shown = switchyard(registry, tmp_path, "show", job_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "job 1/0" in shown.stdout and "max_steps: 20" in shown.stdout
+    slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
+    (job,) = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)["jobs"]
+    assert job["state"] == "COMPLETED" and job["slurm_id"] == job_id
+    logs = switchyard(registry, tmp_path, "logs", job_id)
+    assert "switchyard: rank 0/2" in logs.stdout
