@@ -1,9 +1,15 @@
-"""Built-in models over variable-length 2-D samples ``x [batch, rows, features]`` with a row mask.
+"""Built-in models: two over variable-length 2-D samples ``x [batch, rows, features]`` with a row
+mask (task=classify, task=regress), and a GPT over token windows (task=causal_lm).
 
-The contract every model (built-in or a user's ``model._target_``) follows::
+The contract of the row models (built-in or a user's ``model._target_``)::
 
-    Model(in_features=..., num_classes=..., **config)  # constructor
-    model(x [B, L, F] float, mask [B, L] bool)          # -> logits [B, num_classes]
+    Model(in_features=..., num_classes=... | num_outputs=..., **config)  # constructor
+    model(x [B, L, F] float, mask [B, L] bool)          # -> [B, num_classes or num_outputs]
+
+and of a language model::
+
+    Model(vocab_size=..., seq_len=..., **config)
+    model(tokens [B, L] int64)                          # -> logits [B, L, vocab_size]
 
 Padding rows (mask False) must not change the output; both models here pool with a masked mean.
 A model that supports activation checkpointing has ``enable_activation_checkpointing()``; one that
@@ -13,8 +19,17 @@ A model that supports activation checkpointing has ``enable_activation_checkpoin
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+
+def head_size(num_classes: int | None, num_outputs: int | None) -> int:
+    """The output width: classes (task=classify) or target elements (task=regress)."""
+    size = num_classes if num_classes is not None else num_outputs
+    if size is None:
+        raise TypeError("the model needs num_classes (task=classify) or num_outputs (task=regress)")
+    return size
 
 
 def masked_mean(h: Tensor, mask: Tensor) -> Tensor:
@@ -63,12 +78,12 @@ class _ResidualMlpBlock(nn.Module):
 class RowPoolingMLP(_Checkpointable):
     """Embed each row, masked-mean over rows, then residual MLP blocks and a linear head."""
 
-    def __init__(self, in_features: int, num_classes: int, hidden_dim: int = 64,
-                 num_layers: int = 2) -> None:
+    def __init__(self, in_features: int, num_classes: int | None = None, hidden_dim: int = 64,
+                 num_layers: int = 2, num_outputs: int | None = None) -> None:
         super().__init__()
         self.embed = nn.Sequential(nn.Linear(in_features, hidden_dim), nn.GELU())
         self.blocks = nn.ModuleList(_ResidualMlpBlock(hidden_dim) for _ in range(num_layers))
-        self.head = nn.Linear(hidden_dim, num_classes)
+        self.head = nn.Linear(hidden_dim, head_size(num_classes, num_outputs))
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         pooled = masked_mean(self.embed(x), mask)  # [B, H]
@@ -88,14 +103,15 @@ class _EncoderBlock(nn.Module):
 class RowTransformer(_Checkpointable):
     """A small transformer encoder over the rows of a sample, then a masked mean and a head."""
 
-    def __init__(self, in_features: int, num_classes: int, d_model: int = 64, num_heads: int = 4,
-                 num_layers: int = 2, ff_dim: int = 128, dropout: float = 0.0) -> None:
+    def __init__(self, in_features: int, num_classes: int | None = None, d_model: int = 64,
+                 num_heads: int = 4, num_layers: int = 2, ff_dim: int = 128, dropout: float = 0.0,
+                 num_outputs: int | None = None) -> None:
         super().__init__()
         self.embed = nn.Linear(in_features, d_model)
         self.blocks = nn.ModuleList(_EncoderBlock(d_model, num_heads, ff_dim, dropout)
                                     for _ in range(num_layers))
         self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, num_classes)
+        self.head = nn.Linear(d_model, head_size(num_classes, num_outputs))
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         if x.shape[1] == 0:  # a batch of 0-row samples: one masked-out zero row keeps shapes valid
@@ -103,9 +119,65 @@ class RowTransformer(_Checkpointable):
             mask = mask.new_zeros(mask.shape[0], 1)
         # A sample with 0 rows would make attention all-masked (NaN): give it one masked-in zero row
         # for attention only; masked_mean still ignores it.
+        # No `if empty.any()`: reading it on the host would stall every micro-batch on a GPU.
         empty = ~mask.any(dim=1)  # [B]
         attend = mask.clone()
-        if bool(empty.any()) and mask.shape[1] > 0:
-            attend[empty, 0] = True
+        attend[:, 0] |= empty
         h = self.run_blocks(self.embed(x), ~attend)  # [B, L, D]
         return self.head(masked_mean(self.norm(h), mask))
+
+
+class _DecoderBlock(nn.Module):
+    """Pre-norm causal self-attention and MLP, each added to the residual stream."""
+
+    def __init__(self, d_model: int, num_heads: int, ff_mult: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of num_heads={num_heads}")
+        self.num_heads, self.dropout = num_heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, ff_mult * d_model), nn.GELU(),
+                                 nn.Linear(ff_mult * d_model, d_model))
+
+    def forward(self, h: Tensor) -> Tensor:
+        b, length, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, length, 3, self.num_heads, d // self.num_heads) \
+            .permute(2, 0, 3, 1, 4)  # 3 x [B, heads, L, head_dim]
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+        h = h + self.proj(attended.transpose(1, 2).reshape(b, length, d))
+        return h + self.mlp(self.norm2(h))
+
+
+class GPT(_Checkpointable):
+    """A decoder-only transformer: token and position embeddings, causal blocks, a final norm,
+    and a head tied to the token embedding (one matrix: half the embedding parameters)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int = 128, num_heads: int = 4,
+                 num_layers: int = 4, ff_mult: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.position = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(_DecoderBlock(d_model, num_heads, ff_mult, dropout)
+                                    for _ in range(num_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.embed(tokens) + self.position(positions)  # [B, L, D]
+        return self.head(self.norm(self.run_blocks(h)))  # [B, L, V]
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per parameter (forward 2, backward 4; the position table
+        is a lookup, not a matmul) plus causal attention's 6 x layers x d_model x seq_len
+        (QK^T and AV, forward and backward, halved by the causal mask): PaLM's appendix B count."""
+        params = sum(p.numel() for name, p in self.named_parameters() if not name.startswith("position"))
+        d_model = self.embed.embedding_dim
+        return 6 * params + 6 * len(self.blocks) * d_model * self.seq_len

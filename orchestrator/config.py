@@ -291,6 +291,41 @@ class MlpConfig:
 
 
 @dataclass
+class GptConfig:
+    """A decoder-only transformer for task=causal_lm: causal attention, tied embeddings."""
+
+    _target_: str = "jobs.models.GPT"
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    ff_mult: int = 4  # feed-forward width = ff_mult x d_model
+    dropout: float = 0.0
+
+
+@dataclass
+class ClassifyTaskConfig:
+    """task=classify: an integer class per sample (data.target_field), cross-entropy, accuracy."""
+
+    _target_: str = "orchestrator.training.tasks.classify.Classify"
+
+
+@dataclass
+class RegressTaskConfig:
+    """task=regress: a float target of any fixed shape, MSE; MSE and MAE in evaluation."""
+
+    _target_: str = "orchestrator.training.tasks.regress.Regress"
+
+
+@dataclass
+class CausalLmTaskConfig:
+    """task=causal_lm: next-token loss over windows of data.seq_len + 1 packed tokens."""
+
+    _target_: str = "orchestrator.training.tasks.causal_lm.CausalLm"
+    field: str = "tokens"  # the 1-D token field (one document per sample)
+    vocab_size: int | None = None  # null: the dataset's recorded tokenizer
+
+
+@dataclass
 class TransformerConfig:
     """A small transformer encoder over the rows of a sample, masked mean-pooled."""
 
@@ -309,9 +344,10 @@ class DataConfig:
     path: str | None = None  # training dataset directory (made by jobs.prepare or DatasetWriter)
     eval_path: str | None = None  # evaluation dataset; null with path set: no evaluation
     cache_dir: str = "~/.cache/switchyard/datasets"  # where the demo dataset is generated once
-    input_field: str = "x"  # variable-length [rows, features] float field fed to the model
-    target_field: str = "y"  # int64 class label
-    num_classes: int | None = None  # classes of target_field; null: demo_classes for the demo dataset
+    input_field: str = "x"  # the model's input (classify, regress): [rows, features], an image, ...
+    target_field: str = "y"  # classify: an integer class; regress: a float value or array
+    num_classes: int | None = None  # classify: classes of target_field; null: the dataset's record
+    seq_len: int = 256  # causal_lm: tokens per window (each window reads seq_len + 1)
     batch_size: int = 32  # per rank, per micro-step
     num_workers: int = 0  # DataLoader workers per rank
     policy: str = "pad"  # pad: every sample once, padding flagged; drop: never repeat
@@ -324,14 +360,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise invalid("data.policy", self.policy, f"choose one of {POLICIES}", "data.policy=pad")
-        for key in ("batch_size", "demo_num_samples", "demo_features", "demo_classes", "demo_max_rows"):
+        for key in ("batch_size", "seq_len", "demo_num_samples", "demo_features", "demo_classes",
+                    "demo_max_rows"):
             if getattr(self, key) < 1:
                 raise invalid(f"data.{key}", getattr(self, key), "must be >= 1", f"data.{key}=32")
         if self.num_workers < 0:
             raise invalid("data.num_workers", self.num_workers, "must be >= 0", "data.num_workers=0")
-        if self.path is not None and self.num_classes is None:
-            raise invalid("data.num_classes", None, "needed with data.path (the model's output size)",
-                          "data.num_classes=10")
         if self.num_classes is not None and self.num_classes < 2:
             raise invalid("data.num_classes", self.num_classes, "must be >= 2", "data.num_classes=2")
         for key in ("path", "eval_path"):
@@ -423,6 +457,7 @@ class TrainConfig:
     """``python -m jobs.train``: the groups composed into one run."""
 
     model: Any = MISSING  # a model schema above, or any dict with a _target_ (model=custom)
+    task: Any = MISSING  # a task schema above, or any dict with a _target_ (task=custom)
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -437,6 +472,8 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-exact reruns on CPU
 
     def __post_init__(self) -> None:
+        if self.task == MISSING:  # built in Python without one (Hydra's defaults list always sets it)
+            self.task = ClassifyTaskConfig()
         if self.log_every_steps < 1:
             raise invalid("log_every_steps", self.log_every_steps, "must be >= 1", "log_every_steps=10")
         if self.eval_every_steps < 0:
@@ -475,6 +512,10 @@ def register_configs() -> None:
     cs.store(group="logger", name="base_logger", node=LoggerConfig)
     cs.store(group="model", name="base_mlp", node=MlpConfig)
     cs.store(group="model", name="base_transformer", node=TransformerConfig)
+    cs.store(group="model", name="base_gpt", node=GptConfig)
+    cs.store(group="task", name="base_classify", node=ClassifyTaskConfig)
+    cs.store(group="task", name="base_regress", node=RegressTaskConfig)
+    cs.store(group="task", name="base_causal_lm", node=CausalLmTaskConfig)
 
 
 # An app's own checks before submission, by its config schema. An entry point registers its check

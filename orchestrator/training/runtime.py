@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,8 @@ def wrap(model: nn.Module, rt: Runtime) -> DistributedDataParallel:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def settle_buckets(model: DistributedDataParallel, *example: torch.Tensor) -> None:
+def settle_buckets(model: DistributedDataParallel,
+                   forward: Callable[[torch.nn.Module], torch.Tensor]) -> None:
     """One zero-gradient forward/backward so DDP rebuilds its gradient buckets now.
 
     DDP reorders its buckets after a process's first backward. With more than two ranks, gloo's
@@ -107,8 +109,8 @@ def settle_buckets(model: DistributedDataParallel, *example: torch.Tensor) -> No
     """
     was_training = model.training
     model.eval()
-    out = model(*example)
-    (out.sum() * 0.0).backward()
+    out = forward(model)  # one real example batch, as the task calls the model
+    (out.float().sum() * 0.0).backward()
     model.zero_grad(set_to_none=True)
     model.train(was_training)
 

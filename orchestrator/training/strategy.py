@@ -94,9 +94,10 @@ class Ddp:
     def module(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
-    def settle(self, model: nn.Module, *example: torch.Tensor) -> None:
+    def settle(self, model: nn.Module, forward: Callable[[nn.Module], torch.Tensor]) -> None:
+        """``forward``: the model run on one real example batch (the task's call)."""
         assert isinstance(model, nn.parallel.DistributedDataParallel)
-        runtime.settle_buckets(model, *example)
+        runtime.settle_buckets(model, forward)
 
     def grad_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
         assert isinstance(model, nn.parallel.DistributedDataParallel)
@@ -156,7 +157,7 @@ class Fsdp(Ddp):
     def module(self, model: nn.Module) -> nn.Module:
         return model
 
-    def settle(self, model: nn.Module, *example: torch.Tensor) -> None:
+    def settle(self, model: nn.Module, forward: Callable[[nn.Module], torch.Tensor]) -> None:
         pass  # no buckets: each unit reduce-scatters its own gradients in a fixed order
 
     def grad_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:

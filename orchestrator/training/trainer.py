@@ -26,13 +26,12 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from orchestrator import atomic
-from orchestrator.config import ConfigError, DataConfig, MemoryConfig, OptimConfig, TrainConfig
+from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.launch import dist_env, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import (
@@ -48,10 +47,13 @@ from orchestrator.training import checkpoint, preemption, runtime, sharded_check
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
+from orchestrator.training.tasks import Task, build_task, task_spec
+from orchestrator.training.throughput import throughput_for
 from sharding import ShardedDataset, open_dataset
 from sharding.loader import make_loader
 from sharding.partition import Policy
 from sharding.sampler import ShardedSampler
+from sharding.windows import window_loader
 
 Batch = dict[str, torch.Tensor]
 
@@ -66,12 +68,18 @@ class DataPaths:
 # Building blocks
 
 
-def build_model(spec: Any, in_features: int, num_classes: int, memory: MemoryConfig) -> nn.Module:
-    """Instantiate ``spec._target_`` with the dataset's shape and the rest of spec as kwargs."""
+def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig) -> nn.Module:
+    """Instantiate ``spec._target_`` with what the task takes from the dataset (``in_features``
+    and ``num_classes``, ``vocab_size``, ...) and the rest of spec as keyword arguments."""
     kwargs = model_spec(spec)
     target = kwargs.pop("_target_", None)
     model_cls = import_target(target)
-    model = model_cls(in_features=in_features, num_classes=num_classes, **kwargs)
+    try:
+        model = model_cls(**dataset_kwargs, **kwargs)
+    except TypeError as e:  # an unknown or missing keyword: the user's config, not a bug
+        raise ConfigError(f"model._target_={target!r} rejects its arguments: {e} (from the dataset: "
+                          f"{sorted(dataset_kwargs)}; from the config: {sorted(kwargs) or 'none'}; "
+                          f"fix or remove the model.* key)") from e
     if memory.activation_checkpointing:
         if not hasattr(model, "enable_activation_checkpointing"):
             raise ConfigError(f"memory.activation_checkpointing=true but model {target} has no "
@@ -84,11 +92,6 @@ def build_model(spec: Any, in_features: int, num_classes: int, memory: MemoryCon
 def model_spec(spec: Any) -> dict[str, Any]:
     """The model group as a plain dict: a built-in's dataclass, or a custom model's mapping."""
     return dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
-
-
-def output_classes(data: DataConfig) -> int:
-    """The model's output size: data.num_classes, or the demo dataset's class count."""
-    return data.num_classes or data.demo_classes
 
 
 def import_target(target: Any) -> Any:
@@ -133,11 +136,6 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
 def param_checksum(model: nn.Module) -> str:
     """xxh3 of every parameter's bytes in name order: equal across ranks iff weights are equal."""
     return strategy.checksum(model.named_parameters())
-
-
-def feature_count(ds: ShardedDataset, field: str) -> int:
-    """Trailing size of a [rows, features] field: the model's input width."""
-    return int(ds.schema[field].shape[-1] or 0)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -193,93 +191,79 @@ class WindowPeaks:
 # One micro-step and evaluation
 
 
-def step_fields(data: DataConfig) -> tuple[str, ...]:
-    """The batch fields a step reads on the device; the rest stay on the host."""
-    return data.input_field, f"{data.input_field}_mask", data.target_field, "is_pad"
+def batch_loss(model: nn.Module, batch: Batch, task: Task, amp: str, denominator: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss for backward, loss sum, unit count) of one batch, all on the batch's device: reading
+    them on the host would stall the GPU.
 
-
-def batch_loss(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.device,
-               denominator: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss for backward, sum of per-sample losses, number of real samples) of one batch, all
-    tensors on ``device``: reading them on the host would stall the GPU.
-
-    The loss divides by a fixed denominator (batch size x accumulation steps) rather than by this
-    batch's real count, so k accumulated micro-batches give exactly the gradient of one batch k
-    times larger, and padding entries contribute nothing.
+    The loss divides by a fixed denominator (the task's units per micro-batch x accumulation
+    steps) rather than by this batch's real count, so k accumulated micro-batches give exactly the
+    gradient of one batch k times larger, and padding entries contribute nothing.
     """
-    logits, y, real = batch_logits(model, batch, cfg, device)
-    per_sample = F.cross_entropy(logits, y, reduction="none") * real
-    total = per_sample.sum()
-    return total / denominator, total.detach(), real.sum()
-
-
-def batch_logits(model: nn.Module, batch: Batch, cfg: TrainConfig, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 logits, targets, real-entry mask) of one batch, on ``device``."""
-    field, target = cfg.data.input_field, cfg.data.target_field
-    x = batch[field].to(device, non_blocking=True)
-    mask = batch.get(f"{field}_mask")
-    # fixed-length data is stacked without a mask: every row is real
-    mask = torch.ones(x.shape[:2], dtype=torch.bool, device=device) if mask is None \
-        else mask.to(device, non_blocking=True)
-    y = batch[target].to(device, non_blocking=True)
-    real = (~batch["is_pad"].to(device, non_blocking=True))
-    # fsdp: its mixed-precision policy casts parameters and inputs; autocast would cast again
-    with autocast(device, cfg.memory.amp if cfg.parallelism.strategy == "ddp" else "none"):
-        logits = model(x, mask)
-    return logits.float(), y, real
+    device = batch["is_pad"].device
+    with autocast(device, amp):
+        output = task.forward(model, batch)
+    total, count = task.loss_sums(output, batch)
+    return total / denominator, total.detach(), count
 
 
 def new_sums(device: torch.device) -> torch.Tensor:
-    """[loss sum, real-sample count], accumulated on the device (float64: exact counts past 2**24)."""
-    return torch.zeros(2, dtype=torch.float64, device=device)
+    """[loss sum, unit count, real-sample count], accumulated on the device (float64: exact
+    counts past 2**24). Units are samples, or tokens for a language model."""
+    return torch.zeros(3, dtype=torch.float64, device=device)
 
 
-def add_to_sums(sums: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> None:
-    sums[0] += total  # in place, promoted to float64: two small kernels, no allocation
+def add_to_sums(sums: torch.Tensor, total: torch.Tensor, count: torch.Tensor, samples: torch.Tensor
+                ) -> None:
+    sums[0] += total  # in place, promoted to float64: small kernels, no allocation
     sums[1] += count
+    sums[2] += samples
 
 
 GradSync = Callable[[bool], contextlib.AbstractContextManager[Any]]
 
 
-def backward_micro_batches(model: nn.Module, batches: list[Batch], cfg: TrainConfig,
-                           device: torch.device, scaler: torch.amp.GradScaler,
+def backward_micro_batches(model: nn.Module, batches: list[Batch], task: Task, batch_size: int,
+                           amp: str, scaler: torch.amp.GradScaler,
                            grad_sync: GradSync | None = None) -> torch.Tensor:
     """Accumulate gradients over micro-batches, reducing them only on the last: ``grad_sync(False)``
-    around the others (the strategy's; DDP's ``no_sync`` by default).
+    around the others (the strategy's; DDP's ``no_sync`` by default). ``amp``: what autocast runs
+    (fsdp's own policy casts, so it passes "none").
 
-    Returns [loss sum, real-sample count] on ``device``.
+    Returns [loss sum, unit count, real-sample count] on the batches' device.
     """
-    denominator = float(cfg.data.batch_size * len(batches))
-    sums = new_sums(device)
+    denominator = task.denominator(batch_size) * len(batches)
+    sums = new_sums(batches[0]["is_pad"].device)
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1
         context = grad_sync(sync) if grad_sync is not None else \
             contextlib.nullcontext() if sync else cast(DistributedDataParallel, model).no_sync()
         with context:
-            loss, batch_total, batch_count = batch_loss(model, batch, cfg, device, denominator)
+            loss, batch_total, batch_count = batch_loss(model, batch, task, amp, denominator)
             scaler.scale(loss).backward()
-        add_to_sums(sums, batch_total, batch_count)
+        add_to_sums(sums, batch_total, batch_count, (~batch["is_pad"]).sum())
     return sums
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, rt: Runtime) -> tuple[float, int, float]:
-    """(global mean eval loss, number of samples counted, global accuracy): every eval sample
-    exactly once, padding entries counted in neither."""
+def evaluate(model: nn.Module, loader: Any, task: Task, amp: str, rt: Runtime
+             ) -> tuple[dict[str, float], int]:
+    """(the task's global eval metrics, number of units counted): every eval sample (or window)
+    exactly once, padding entries counted in nothing."""
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # [loss sum, count, correct]
-    for batch in to_device(loader, rt.device, step_fields(cfg.data)):
-        logits, y, real = batch_logits(model, batch, cfg, rt.device)
-        sums[0] += (F.cross_entropy(logits, y, reduction="none") * real).sum()
-        sums[1] += real.sum()
-        sums[2] += ((logits.argmax(-1) == y) & real).sum()
+    sums: torch.Tensor | None = None  # float64 [K] on the device, the task's sums
+    for batch in to_device(loader, rt.device, task.fields()):
+        with autocast(rt.device, amp):
+            output = task.forward(model, batch)
+        part = task.eval_sums(output, batch)
+        sums = part if sums is None else sums + part
     model.train()
-    total, count, correct = runtime.global_sums(rt, sums)  # the one host read of the evaluation
-    if not count:
-        return float("nan"), 0, float("nan")
-    return total / count, int(count), correct / count
+    if sums is None:  # no eval batch on any rank (every rank has the same count)
+        return {}, 0
+    reduced = runtime.global_sums(rt, sums)  # the one host read of the evaluation
+    if not reduced[1]:
+        return {}, 0
+    return task.eval_metrics(reduced), int(reduced[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -296,15 +280,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def compatibility(cfg: TrainConfig, in_features: int, num_classes: int) -> dict[str, Any]:
+def compatibility(cfg: TrainConfig, dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it (shapes, not step counts)."""
-    return {"model": model_spec(cfg.model), "in_features": in_features, "num_classes": num_classes,
+    return {"model": model_spec(cfg.model), **dataset_kwargs, "task": task_spec(cfg.task),
             "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16",
             "strategy": cfg.parallelism.strategy}
 
 
 # What a checkpoint written before a key existed had: a Switchyard without fsdp wrote ddp's.
-_COMPAT_BEFORE = {"strategy": "ddp"}
+_COMPAT_BEFORE = {"strategy": "ddp", "task": {"_target_": "orchestrator.training.tasks.classify.Classify"}}
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
@@ -330,8 +314,10 @@ class MetricsWindow:
     learning rate and the gradient norm. ``close`` is the window's one host-device sync.
     """
 
-    def __init__(self, rt: Runtime, log: RunLog | None, peaks: WindowPeaks | None = None) -> None:
-        self.rt, self.log = rt, log
+    def __init__(self, rt: Runtime, log: RunLog | None, peaks: WindowPeaks | None = None,
+                 unit: str = "samples",
+                 throughput: Callable[[float], dict[str, float | None]] = lambda rate: {}) -> None:
+        self.rt, self.log, self.unit, self.throughput = rt, log, unit, throughput
         self.peaks = peaks or WindowPeaks(rt.device)
         self.sums, self.start = new_sums(rt.device), time.perf_counter()
         self.last_loss = float("nan")
@@ -340,12 +326,20 @@ class MetricsWindow:
         self.sums += sums
 
     def close(self, step: int, lr: float, grad_norm: torch.Tensor | None) -> tuple[float, float]:
-        """(global mean loss, global samples/s) of the window; starts the next one."""
-        loss, global_count = runtime.global_mean(self.rt, self.sums)
-        rate = global_count / max(time.perf_counter() - self.start, 1e-9)
+        """(global mean loss per unit, global samples/s) of the window; starts the next one.
+        A task counting tokens also logs ``tokens_per_s``, and ``model_tflops_per_s`` and
+        ``mfu`` where the model states its FLOPs per token (``throughput``)."""
+        total, units, samples = runtime.global_sums(self.rt, self.sums)
+        loss = total / units if units > 0 else float("nan")
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        rate = samples / seconds
         peak = runtime.global_max(self.rt, self.peaks.close_window())
         if self.log is not None:
-            values = {"train_loss": loss, "samples_per_s": rate, "lr": lr, "peak_mem_bytes": peak}
+            values: dict[str, float | None] = {"train_loss": loss, "samples_per_s": rate, "lr": lr,
+                                               "peak_mem_bytes": peak}
+            if self.unit != "samples":
+                values[f"{self.unit}_per_s"] = units / seconds
+                values.update(self.throughput(units / seconds))
             if grad_norm is not None:  # equal on every rank: DDP averaged the gradients
                 values["grad_norm"] = float(grad_norm)
             self.log.log(step, finite_or_null(values))
@@ -398,41 +392,57 @@ class Trainer:
         self.pulse = pulse  # where this rank is, for the hang verdict (heartbeat's docstring)
         self.train_ds: ShardedDataset = open_dataset(paths.train)
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
-        num_classes = output_classes(cfg.data)
+        self.task = build_task(cfg.task, cfg.data)
+        self.task.setup(self.train_ds)
+        dataset_kwargs = self.task.model_kwargs(self.train_ds)
         runtime.seed_everything(cfg.seed, rt.env.rank)
-        features = feature_count(self.train_ds, cfg.data.input_field)
         self.strategy = strategy.for_run(rt, cfg.parallelism, cfg.memory)
-        self.model = self.strategy.build(lambda: build_model(cfg.model, features, num_classes, cfg.memory))
-        self.strategy.settle(self.model, torch.zeros(1, 1, features, device=rt.device),
-                             torch.ones(1, 1, dtype=torch.bool, device=rt.device))
+        self.model = self.strategy.build(lambda: build_model(cfg.model, dataset_kwargs, cfg.memory))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.memory.amp == "fp16")
-        self.sampler = ShardedSampler(self.train_ds.shard_counts, world_size=rt.env.world_size,
-                                      rank=rt.env.rank, seed=cfg.seed,
-                                      policy=cast(Policy, cfg.data.policy))
-        self.loader = make_loader(self.train_ds, self.sampler, batch_size=cfg.data.batch_size,
-                                  num_workers=cfg.data.num_workers, pin_memory=rt.device.type == "cuda",
-                                  group_by_length=cfg.data.group_by_length,
-                                  worker_ignores=preemption.STOP_SIGNALS)
+        self.sampler, self.loader = self.make_loader(self.train_ds, train=True)
+        # A real batch of the dataset, never a made-up shape (a CNN's pooling needs real sizes).
+        example = self.example_batch()
+        self.strategy.settle(self.model, lambda model: self.task.forward(model, example))
         self.step = 0
         self.real_samples = torch.zeros((), dtype=torch.int64, device=rt.device)  # trained on; no host read
+        self.units = torch.zeros((), dtype=torch.int64, device=rt.device)  # the task's: tokens for an LM
         self.batches_seen = 0
-        self.compat = compatibility(cfg, features, num_classes)
+        self.compat = compatibility(cfg, dataset_kwargs)
         self.stop = preemption.StopFlag()
         self.resumed_from: dict[str, Any] | None = None  # for the summary: where this run continued
         self.checkpoint_warnings: list[str] = []
         self.grad_norm: torch.Tensor | None = None  # of the last step that asked for it
         self.peaks = WindowPeaks(rt.device)
         self.saved_step = -1  # the step of the newest checkpoint this run wrote or loaded
+        self.eval_metrics: dict[str, float] = {}  # of the last evaluation
+
+    def make_loader(self, ds: ShardedDataset, train: bool) -> tuple[ShardedSampler, Any]:
+        """This rank's sampler and loader over ``ds``: the padded batches of its samples, or what
+        the task reads instead (a language model's token windows). Evaluation visits every entry
+        once in order (pad policy, no shuffle)."""
+        cfg, env = self.cfg, self.rt.env
+        source = self.task.source(ds)
+        counts = ds.shard_counts if source is None else source.shard_counts
+        sampler = ShardedSampler(counts, world_size=env.world_size, rank=env.rank, seed=cfg.seed,
+                                 policy=cast(Policy, cfg.data.policy) if train else "pad", shuffle=train)
+        workers, pin = cfg.data.num_workers, self.rt.device.type == "cuda"
+        if source is not None:
+            return sampler, window_loader(source, sampler, cfg.data.batch_size, num_workers=workers,
+                                          pin_memory=pin, worker_ignores=preemption.STOP_SIGNALS)
+        return sampler, make_loader(ds, sampler, batch_size=cfg.data.batch_size, num_workers=workers,
+                                    pin_memory=pin, group_by_length=cfg.data.group_by_length and train,
+                                    worker_ignores=preemption.STOP_SIGNALS)
+
+    def example_batch(self) -> Batch:
+        """The first sample of the training data as a batch of one, on this rank's device."""
+        batch = self.loader.dataset.__getitems__([0])
+        return {k: v.to(self.rt.device) if k in self.task.fields() else v for k, v in batch.items()}
 
     def eval_loader(self) -> Any:
         assert self.eval_ds is not None
-        sampler = ShardedSampler(self.eval_ds.shard_counts, world_size=self.rt.env.world_size,
-                                 rank=self.rt.env.rank, seed=self.cfg.seed, policy="pad", shuffle=False)
-        return make_loader(self.eval_ds, sampler, batch_size=self.cfg.data.batch_size,
-                           num_workers=self.cfg.data.num_workers, pin_memory=self.rt.device.type == "cuda",
-                           worker_ignores=preemption.STOP_SIGNALS)
+        return self.make_loader(self.eval_ds, train=False)[1]
 
     def agree_before_first_step(self) -> None:
         eval_batches = len(self.eval_loader()) if self.eval_ds is not None else 0
@@ -445,7 +455,7 @@ class Trainer:
         epoch = self.sampler.epoch
         while True:
             # within one epoch: reading ahead never crosses set_epoch
-            yield from to_device(self.loader, self.rt.device, step_fields(self.cfg.data))
+            yield from to_device(self.loader, self.rt.device, self.task.fields())
             epoch += 1
             self.sampler.set_epoch(epoch)
 
@@ -460,8 +470,10 @@ class Trainer:
         self.mark("data")
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
         self.mark("compute")
-        sums = backward_micro_batches(self.model, batches, self.cfg, self.rt.device, self.scaler,
-                                      lambda sync: self.strategy.grad_sync(self.model, sync))
+        # fsdp: its mixed-precision policy casts parameters and inputs; autocast would cast again
+        amp = self.cfg.memory.amp if self.strategy.name == "ddp" else "none"
+        sums = backward_micro_batches(self.model, batches, self.task, self.cfg.data.batch_size, amp,
+                                      self.scaler, lambda sync: self.strategy.grad_sync(self.model, sync))
         self.batches_seen += len(batches)
         self.sampler.advance(sum(len(b["index"]) for b in batches))
         if self.cfg.optim.clip_grad_norm > 0:
@@ -478,7 +490,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         self.step += 1
-        self.real_samples += sums[1].to(torch.int64)
+        self.units += sums[1].to(torch.int64)
+        self.real_samples += sums[2].to(torch.int64)
         return sums
 
     def save_checkpoint(self) -> None:
@@ -488,7 +501,7 @@ class Trainer:
             return
         self.mark("checkpoint")
         per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
-                                            "batches": self.batches_seen})
+                                            "units": int(self.units), "batches": self.batches_seen})
         state = {"step": self.step, "schedule": self.schedule.state_dict(),
                  "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                  "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size}
@@ -540,6 +553,7 @@ class Trainer:
             mine = state["per_rank"][self.rt.env.rank]
             set_rng_state(mine["rng"])
             self.real_samples.fill_(int(mine["samples"]))
+            self.units.fill_(int(mine.get("units", mine["samples"])))  # older: classify only
             self.batches_seen = int(mine["batches"])
         self.resumed_from = {"path": str(found.path), "step": self.step}
         self.saved_step = self.step
@@ -616,7 +630,9 @@ class Trainer:
     def _loop(self, log: RunLog | None, start: float) -> dict[str, Any]:
         cfg, rt = self.cfg, self.rt
         stream, stops = self.batches(), StopPoll(self.stop)
-        window = MetricsWindow(rt, log, self.peaks)
+        window = MetricsWindow(rt, log, self.peaks, self.task.unit,
+                               throughput_for(self.strategy.module(self.model), rt.device,
+                                              cfg.memory.amp, rt.env.world_size))
         eval_loss, eval_counted = float("nan"), 0
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not rt.is_main, dynamic_ncols=True) as bar:
@@ -644,27 +660,40 @@ class Trainer:
         return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
 
     def evaluate(self, log: RunLog | None) -> tuple[float, int]:
-        """Every eval sample once; rank 0 logs the loss and accuracy at this step."""
+        """Every eval sample (or window) once; rank 0 logs the task's metrics at this step."""
         self.mark("eval")
-        loss, counted, accuracy = evaluate(self.model, self.eval_loader(), self.cfg, self.rt)
-        if log is not None:
-            log.log(self.step, finite_or_null({"eval_loss": loss, "eval_accuracy": accuracy}))
-        return loss, counted
+        amp = self.cfg.memory.amp if self.strategy.name == "ddp" else "none"
+        metrics, counted = evaluate(self.model, self.eval_loader(), self.task, amp, self.rt)
+        if log is not None and metrics:
+            log.log(self.step, finite_or_null(metrics))
+        self.eval_metrics = metrics
+        return metrics.get("eval_loss", float("nan")), counted
+
+    def eval_set_size(self) -> int:
+        """Units an evaluation counts: the eval set's samples, or its tokens for a language model
+        (every window's targets)."""
+        if self.eval_ds is None:
+            return 0
+        source = self.task.source(self.eval_ds)
+        return len(self.eval_ds) if source is None else source.num_windows * source.seq_len
 
     def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float
                   ) -> dict[str, Any]:
         per_rank = runtime.gather(self.rt, {
-            "samples": self.samples_seen, "batches": self.batches_seen,
+            "samples": self.samples_seen, "units": int(self.units), "batches": self.batches_seen,
             "checksum": self.strategy.param_checksum(self.model), "peak": self.peaks.run_peak(),
             "node": self.rt.env.hostname})
         summary = {
             "world_size": self.rt.env.world_size, "steps": self.step,
             "samples_per_rank": [r["samples"] for r in per_rank],
+            **({f"{self.task.unit}_per_rank": [r["units"] for r in per_rank]}
+               if self.task.unit != "samples" else {}),
             "batches_per_rank": [r["batches"] for r in per_rank],
             "param_checksum_per_rank": [r["checksum"] for r in per_rank],
             "final_train_loss": train_loss, "final_eval_loss": eval_loss,
-            "eval_samples_counted": eval_counted,
-            "eval_set_size": len(self.eval_ds) if self.eval_ds is not None else 0,
+            "eval_samples_counted": eval_counted, "eval_set_size": self.eval_set_size(),
+            "task": type(self.task).__name__, "unit": self.task.unit,
+            "final_eval_metrics": self.eval_metrics,
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from jobs.train import request_keys
+from orchestrator.training.checks import request_keys
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import slurm_query, slurm_request, submit
 

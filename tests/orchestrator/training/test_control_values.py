@@ -46,7 +46,7 @@ decided = [stops.poll() for _ in range(3)]
 stops.drain()
 log = RunLog(LoggerConfig(tensorboard=False), run_dir, 0, {}) if env.rank == 0 else None
 window = trainer.MetricsWindow(rt, log)  # its peak memory is a host value reduced beside the device
-window.add(torch.tensor([3.0 * (env.rank + 1), 3.0], dtype=torch.float64))
+window.add(torch.tensor([3.0 * (env.rank + 1), 3.0, 3.0], dtype=torch.float64))
 loss, _ = window.close(step=1, lr=0.1, grad_norm=None)
 totals = runtime.global_sums(rt, torch.tensor([1.0, float(env.rank)], dtype=torch.float64))
 runtime.agree(rt, batches_per_epoch=7)

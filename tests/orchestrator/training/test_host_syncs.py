@@ -22,7 +22,10 @@ from rank_helpers import one_rank, write_rows_dataset
 from torch.overrides import TorchFunctionMode
 
 from orchestrator.config import (
+    CausalLmTaskConfig,
+    ClassifyTaskConfig,
     DataConfig,
+    GptConfig,
     LoggerConfig,
     MemoryConfig,
     MlpConfig,
@@ -30,6 +33,7 @@ from orchestrator.config import (
     ParallelismConfig,
     TelemetryConfig,
     TrainConfig,
+    TransformerConfig,
 )
 from orchestrator.training import runtime, trainer
 from orchestrator.training.run_log import RunLog
@@ -63,15 +67,46 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
                               max_rows=8)
 
 
-@pytest.mark.parametrize(("amp", "strategy"), [("none", "ddp"), ("bf16", "ddp"), ("none", "fsdp"),
-                                               ("bf16", "fsdp")])
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Byte tokens, one document a sample, as jobs.prepare format=text writes them."""
+    import numpy as np
+
+    from sharding import DatasetWriter
+
+    path = tmp_path_factory.mktemp("data") / "tokens"
+    rng = np.random.default_rng(0)
+    with DatasetWriter(path, attributes={"tokenizer": {"kind": "bytes", "vocab_size": 257, "eos_id": 256,
+                                                       "file": None}}) as writer:
+        for _ in range(20):
+            writer.append({"tokens": rng.integers(0, 257, int(rng.integers(5, 90))).astype(np.uint16)})
+    return str(path)
+
+
+# Every built-in model with the task it is built for: none may read the host per micro-batch.
+MODELS = {
+    "mlp": (MlpConfig(), ClassifyTaskConfig(), "rows"),
+    "transformer": (TransformerConfig(), ClassifyTaskConfig(), "rows"),
+    "gpt": (GptConfig(d_model=16, num_heads=2, num_layers=2), CausalLmTaskConfig(), "tokens"),
+}
+
+
+@pytest.mark.parametrize(("amp", "strategy", "model"),
+                         [("none", "ddp", "mlp"), ("bf16", "ddp", "mlp"), ("none", "fsdp", "mlp"),
+                          ("bf16", "fsdp", "mlp"), ("none", "ddp", "transformer"),
+                          ("bf16", "fsdp", "transformer"), ("none", "ddp", "gpt"), ("bf16", "ddp", "gpt"),
+                          ("bf16", "fsdp", "gpt")])
 def test_a_step_that_does_not_log_reads_nothing_on_the_host(rank: runtime.Runtime, dataset: str,
-                                                           tmp_path: Path, amp: str, strategy: str) -> None:
-    cfg = TrainConfig(model=MlpConfig(), data=DataConfig(path=dataset, num_classes=3, batch_size=8),
+                                                           tokens: str, tmp_path: Path, amp: str,
+                                                           strategy: str, model: str) -> None:
+    model_cfg, task_cfg, data = MODELS[model]
+    path = dataset if data == "rows" else tokens
+    cfg = TrainConfig(model=model_cfg, task=task_cfg,
+                      data=DataConfig(path=path, num_classes=3, batch_size=8, seq_len=16),
                       parallelism=ParallelismConfig(strategy=strategy),
                       optim=OptimConfig(name="sgd", grad_accum_steps=2, clip_grad_norm=1.0, max_steps=10),
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
-    run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, rank)
+    run = trainer.Trainer(cfg, trainer.DataPaths(train=path, eval=None), tmp_path, rank)
     stream = run.batches()
     batches = iter([next(stream) for _ in range(6)])  # the loader's own work is not the step's
     window = trainer.MetricsWindow(rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))

@@ -15,6 +15,7 @@ from torch import nn
 from jobs.models import RowPoolingMLP, RowTransformer
 from orchestrator.config import DataConfig, MemoryConfig, OptimConfig, TrainConfig
 from orchestrator.training import runtime, trainer
+from orchestrator.training.tasks.classify import Classify
 from sharding import collate_padded
 
 
@@ -53,6 +54,15 @@ def cfg_with(batch_size: int, accum: int, amp: str = "none") -> TrainConfig:
                        optim=OptimConfig(grad_accum_steps=accum), memory=MemoryConfig(amp=amp))
 
 
+CLASSIFY = Classify(DataConfig())
+
+
+def backward(model: nn.Module, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig,
+             scaler: torch.amp.GradScaler) -> torch.Tensor:
+    return trainer.backward_micro_batches(model, batches, CLASSIFY, cfg.data.batch_size, cfg.memory.amp,
+                                          scaler)
+
+
 def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -66,9 +76,8 @@ def test_accumulating_k_micro_batches_equals_one_k_times_larger_batch(
     big = runtime.wrap(copy.deepcopy(base), single_rank)
     b1, b2, b3 = make_batch(1, 4), make_batch(2, 4, pad_last=True), make_batch(3, 4)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    trainer.backward_micro_batches(accumulated, [b1, b2, b3], cfg_with(4, 3), single_rank.device, scaler)
-    trainer.backward_micro_batches(big, [concat(concat(b1, b2), b3)], cfg_with(12, 1), single_rank.device,
-                                   scaler)
+    backward(accumulated, [b1, b2, b3], cfg_with(4, 3), scaler)
+    backward(big, [concat(concat(b1, b2), b3)], cfg_with(12, 1), scaler)
     for g_acc, g_big in zip(grads(accumulated), grads(big), strict=True):
         torch.testing.assert_close(g_acc, g_big, rtol=1e-5, atol=1e-6)
 
@@ -77,10 +86,10 @@ def test_padding_entries_contribute_nothing(single_rank: runtime.Runtime) -> Non
     torch.manual_seed(0)
     model = runtime.wrap(RowPoolingMLP(in_features=5, num_classes=3), single_rank)
     batch = make_batch(4, 4, pad_last=True)
-    _, total, count = trainer.batch_loss(model, batch, cfg_with(4, 1), single_rank.device, 1.0)
+    _, total, count = trainer.batch_loss(model, batch, CLASSIFY, "none", 1.0)
     changed = dict(batch, y=batch["y"].clone())
     changed["y"][-1] = (changed["y"][-1] + 1) % 3  # a different label on the padding entry only
-    _, total_changed, _ = trainer.batch_loss(model, changed, cfg_with(4, 1), single_rank.device, 1.0)
+    _, total_changed, _ = trainer.batch_loss(model, changed, CLASSIFY, "none", 1.0)
     assert int(count) == 3 and float(total) == pytest.approx(float(total_changed))
 
 
@@ -118,7 +127,7 @@ def test_mixed_precision_steps_reduce_the_loss(single_rank: runtime.Runtime, amp
     cfg = cfg_with(16, 1, amp)
     losses = []
     for _ in range(30):
-        total, count = trainer.backward_micro_batches(model, [batch], cfg, single_rank.device, scaler)
+        total, count, _ = backward(model, [batch], cfg, scaler)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
@@ -138,7 +147,7 @@ def test_unknown_model_target_is_a_clear_error() -> None:
     from orchestrator.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"model._target_='nope.Net' cannot be imported"):
-        trainer.build_model({"_target_": "nope.Net"}, 5, 3, MemoryConfig())
+        trainer.build_model({"_target_": "nope.Net"}, {"in_features": 5, "num_classes": 3}, MemoryConfig())
 
 
 def test_mean_over_ranks_is_sum_over_count(single_rank: runtime.Runtime) -> None:

@@ -1,0 +1,141 @@
+"""Everything that can fail on the nodes and can be known before submission, checked here.
+
+The dataset against the task (fields, dtypes, shapes, label ranges from the manifest), the model's
+constructor against its config, one real example batch through the model and the task's loss on
+the meta device (the shape errors a model would hit on every rank after a queue wait), the file
+system, this machine's GPUs and shared memory, and what SLURM would say of the request.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from orchestrator.config import ConfigError, ParallelismConfig, TrainConfig
+from orchestrator.launch import slurm_request, submit
+from orchestrator.training import run_log, strategy
+from orchestrator.training.tasks import Batch, Task, build_task
+from orchestrator.training.trainer import DataPaths, build_model, model_spec
+from sharding import DatasetError, ShardedDataset, open_dataset
+from sharding.loader import RankDataset, check_shared_memory, ring_bytes
+
+# Models above this size are not built on the CPU to run the example batch when the meta device
+# cannot run them (a data-dependent branch): their check is left to the first step.
+CPU_EXAMPLE_MAX_PARAMETERS = 50_000_000
+
+
+def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> None:
+    task = build_task(cfg.task, cfg.data)
+    train = open_checked("data.path", paths.train)
+    task.setup(train)
+    task.check_dataset("data.path", train)
+    if paths.eval is not None:
+        task.check_dataset("data.eval_path", open_checked("data.eval_path", paths.eval))
+    if cfg.checkpoint.dir:
+        check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
+    if cfg.cluster.mode != "slurm" and task.source(train) is None:  # this machine's /dev/shm is theirs
+        check_worker_memory(paths, cfg)
+    run_log.check_available(cfg.logger)
+    check_model(cfg, task, train)
+    if cfg.cluster.mode == "slurm":
+        slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
+                            request_keys(cfg.parallelism))
+    if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
+        raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
+                          f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
+                          f"{torch.cuda.device_count()})")
+
+
+def open_checked(key: str, path: str) -> ShardedDataset:
+    try:
+        return open_dataset(path)
+    except DatasetError as e:
+        raise ConfigError(f"{key}={path!r} cannot be opened: {e}") from e
+
+
+def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
+    """The constructor takes its config, fsdp finds units to shard, and one real batch of the
+    training data goes through the model and the task's loss. On the meta device: no weights are
+    allocated, no arithmetic is done, and shapes are checked as on the ranks."""
+    kwargs = task.model_kwargs(train)
+    with torch.device("meta"):
+        model = build_model(cfg.model, kwargs, cfg.memory)
+    if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
+        strategy.shard_units(model, cfg.parallelism.fsdp_units)
+    example = example_batch(task, train)
+    try:
+        run_example(task, model, {k: v.to("meta") if k in task.fields() else v for k, v in example.items()})
+    except (NotImplementedError, RuntimeError) as e:
+        if not meta_cannot_run(e):
+            raise refused(cfg, example, e) from e
+        if sum(p.numel() for p in model.parameters()) <= CPU_EXAMPLE_MAX_PARAMETERS:
+            try:  # a data-dependent branch: the same batch on the CPU, with real (small) weights
+                run_example(task, build_model(cfg.model, kwargs, cfg.memory), example)
+            except (RuntimeError, ValueError, TypeError, IndexError) as cpu_error:
+                raise refused(cfg, example, cpu_error) from cpu_error
+    except (ValueError, TypeError, IndexError) as e:
+        raise refused(cfg, example, e) from e
+
+
+def example_batch(task: Task, ds: ShardedDataset) -> Batch:
+    """The first sample (or window) of ``ds`` as a batch of one, on the host."""
+    source = task.source(ds)
+    return (RankDataset(ds) if source is None else source).__getitems__([0])
+
+
+def run_example(task: Task, model: nn.Module, batch: Batch) -> None:
+    model.train()
+    output = task.forward(model, batch)
+    task.loss_sums(output, batch)
+
+
+def meta_cannot_run(error: BaseException) -> bool:
+    """A model that reads a value on the host (``.item()``, ``if x.any()``) cannot run on meta."""
+    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
+
+
+def refused(cfg: TrainConfig, example: Batch, error: BaseException) -> ConfigError:
+    target = model_spec(cfg.model).get("_target_")
+    shapes = ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+                       for k, v in example.items() if isinstance(v, torch.Tensor))
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(f"model._target_={target!r} fails on one real batch of data.path ({shapes}): "
+                       f"{first} (fix the model for this input, or choose the task and fields that "
+                       f"fit it)")
+
+
+def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
+    """The config keys behind each sbatch value, for an error that names the one to change."""
+    tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
+    return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
+
+
+def check_worker_memory(paths: DataPaths, cfg: TrainConfig) -> None:
+    """The worker batch rings of every rank on this machine (train and eval loaders at once) fit in
+    /dev/shm: known now, not as ENOSPC in the first epoch. On SLURM each rank's loader checks its
+    node's /dev/shm itself, before allocating."""
+    needed = sum(ring_bytes(RankDataset(path), cfg.data.batch_size, cfg.data.num_workers)
+                 for path in (paths.train, paths.eval) if path is not None)
+    try:
+        check_shared_memory(needed, cfg.data.batch_size, cfg.data.num_workers,
+                            ranks=cfg.parallelism.world_size)
+    except DatasetError as e:
+        raise ConfigError(str(e)) from e
+
+
+def check_writable_dir(key: str, path: Path) -> None:
+    """``path`` is, or can become, a directory this user writes: known now, not at the first save
+    at the end of training. Creates nothing."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "it" if existing == path else f"{existing} (on its path)"
+        raise ConfigError(f"{key}={str(path)!r} is invalid: {where} is a file, not a directory "
+                          f"(try {key}=<a directory>)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(path)!r} is invalid: {existing} is not writable by this user "
+                          f"(try {key}=<a directory you can write>)")

@@ -1,0 +1,157 @@
+"""What is trained, behind one small interface: the trainer knows no task.
+
+A task says which fields it reads, what it needs of a dataset (checked before submission), what
+the model's constructor gets from the dataset, a real example batch, and per-batch sums on the
+device: the loss summed over its units (samples, or tokens for a language model) and the count of
+units. The trainer divides every micro-batch's loss sum by the task's fixed ``denominator``, so
+``k`` accumulated micro-batches give exactly the gradient of one ``k``-times larger batch, and
+padding entries (``is_pad``) count nowhere.
+
+The built-ins (``task=classify``, ``causal_lm``, ``regress``) go through the same door as a
+user's ``task._target_=my_pkg.MyTask``: a subclass of ``Task`` constructed as
+``MyTask(data=DataConfig, **its config keys)``. README "Your own task" has a worked example.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from orchestrator.config import ConfigError, DataConfig
+from sharding import ShardedDataset
+
+Batch = dict[str, Tensor]
+
+
+class Task:
+    """The base of every task. Subclasses override the methods below; the defaults fit tasks
+    that read samples (not windows) through the padded batch loader."""
+
+    unit = "samples"  # what ``loss_sums``' count counts: the summary reports it per rank
+
+    def __init__(self, data: DataConfig) -> None:
+        self.data = data
+
+    # -- the data ---------------------------------------------------------------------------
+
+    def setup(self, ds: ShardedDataset) -> None:
+        """Called once with the training dataset, before anything else reads it (the submitting
+        side and every rank): a task may note what the data is (an input's shape)."""
+
+    def check_dataset(self, key: str, ds: ShardedDataset) -> None:
+        """Refuse, before submission, a dataset this task cannot train on: a ConfigError naming
+        ``key`` (``data.path`` or ``data.eval_path``), the field, its dtype and shape, and a fix."""
+
+    def model_kwargs(self, ds: ShardedDataset) -> dict[str, Any]:
+        """What the model's constructor gets from the dataset (sizes, classes, vocabulary)."""
+        return {}
+
+    def source(self, ds: ShardedDataset) -> Any:
+        """What the loader reads: ``None`` for the padded batches of ``ds``'s samples (the
+        default), or a dataset of its own with ``shard_counts`` and ``__getitems__(values)``
+        (a language model's token windows)."""
+        return None
+
+    def fields(self) -> tuple[str, ...]:
+        """The batch fields ``forward`` and the sums read on the device; the rest stay on the host."""
+        return ("is_pad",)
+
+    # -- the step: everything on the device, nothing read on the host -----------------------
+
+    def forward(self, model: nn.Module, batch: Batch) -> Tensor:
+        """The model's output for one batch (called under autocast where amp is on)."""
+        raise NotImplementedError
+
+    def loss_sums(self, output: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+        """(sum of the per-unit losses, number of units) of one batch; padding entries excluded.
+        Both on the device: reading them on the host would stall the GPU."""
+        raise NotImplementedError
+
+    def denominator(self, batch_size: int) -> float:
+        """The most units one micro-batch of ``batch_size`` entries can hold: the loss of a
+        micro-batch is its sum divided by this times the number of micro-batches, never by
+        the batch's own count (which would weigh short batches up)."""
+        return float(batch_size)
+
+    def eval_sums(self, output: Tensor, batch: Batch) -> Tensor:
+        """float64 [K] on the device: sums over one eval batch (first the loss sum, then the unit
+        count), reduced over all ranks before ``eval_metrics`` reads them."""
+        total, count = self.loss_sums(output, batch)
+        return torch.stack([total.double(), count.double()])
+
+    def eval_metrics(self, sums: Sequence[float]) -> dict[str, float]:
+        """The eval metrics logged and summarised, from the global ``eval_sums``."""
+        return {"eval_loss": sums[0] / sums[1]}
+
+
+def build_task(spec: Any, data: DataConfig) -> Task:
+    """The task named by ``spec`` (the ``task`` group: a built-in's dataclass or a user's mapping
+    with ``_target_``), constructed with the data config and the group's other keys."""
+    kwargs = task_spec(spec)
+    target = kwargs.pop("_target_", None)
+    cls = import_task(target)
+    try:
+        task = cls(data=data, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"task._target_={target!r} rejects its config: {e} (keys given: "
+                          f"{sorted(kwargs) or 'none'}; fix the task.* keys)") from e
+    if not isinstance(task, Task):
+        raise ConfigError(f"task._target_={target!r} built a {type(task).__name__}, not a "
+                          f"orchestrator.training.tasks.Task (subclass Task)")
+    return task
+
+
+def task_spec(spec: Any) -> dict[str, Any]:
+    return dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
+
+
+def import_task(target: Any) -> type:
+    if not isinstance(target, str) or "." not in target:
+        raise ConfigError(f"task._target_={target!r} is invalid: it must be a dotted path to a Task "
+                          f"class (try task=classify, task=causal_lm, task=regress, or "
+                          f"task._target_=my_pkg.MyTask)")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"task._target_={target!r} cannot be imported ({e}) (try a class "
+                          f"importable on every node)") from e
+    if not isinstance(found, type):
+        raise ConfigError(f"task._target_={target!r} is a {type(found).__name__}, not a Task class")
+    return found
+
+
+def real_mask(batch: Batch) -> Tensor:
+    """bool [B]: the entries that are samples, not the sampler's padding."""
+    return ~batch["is_pad"]
+
+
+def describe_fields(ds: ShardedDataset) -> str:
+    return ", ".join(f"{n}: {s.dtype}{list(s.shape)}" for n, s in ds.schema.items())
+
+
+def field_of(key: str, ds: ShardedDataset, option: str, name: str) -> Any:
+    """The schema entry of ``name``, or a ConfigError naming the option that chose it."""
+    spec = ds.schema.get(name)
+    if spec is None:
+        raise ConfigError(f"{option}={name!r} is invalid: {key}={str(ds.root)!r} has no such field "
+                          f"(fields: {describe_fields(ds)}; try {option}=<one of them>)")
+    return spec
+
+
+def as_float_input(x: Tensor) -> Tensor:
+    """A model input as float: uint8 (images) scaled to [0, 1] as torchvision's ToTensor does,
+    other integers as they are, floats untouched."""
+    if x.dtype == torch.uint8:
+        return x.float().div_(255.0)
+    return x if x.is_floating_point() else x.float()
+
+
+def attributes(ds: ShardedDataset) -> Mapping[str, Any]:
+    """The dataset's recorded attributes (tokenizer, classes), empty for older datasets."""
+    return getattr(ds, "attributes", None) or {}

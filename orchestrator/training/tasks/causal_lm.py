@@ -1,0 +1,79 @@
+"""``task=causal_lm``: next-token prediction over fixed windows of ``data.seq_len + 1`` tokens
+packed across documents (``sharding.windows``). The loss is per token, in nats, over every
+position; the fixed denominator is ``batch_size x seq_len`` tokens, so accumulation is exact. The
+model gets ``vocab_size`` and ``seq_len`` and maps int64 ``[batch, seq_len]`` to logits
+``[batch, seq_len, vocab]``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from orchestrator.config import ConfigError, DataConfig
+from orchestrator.training.tasks import Batch, Task, attributes, describe_fields, real_mask
+from sharding import DatasetError, ShardedDataset
+from sharding.windows import TokenWindows
+
+
+class CausalLm(Task):
+    unit = "tokens"
+
+    def __init__(self, data: DataConfig, field: str = "tokens", vocab_size: int | None = None) -> None:
+        super().__init__(data)
+        self.field, self.seq_len, self.vocab_size = field, data.seq_len, vocab_size
+        if vocab_size is not None and vocab_size < 2:
+            raise ConfigError(f"task.vocab_size={vocab_size} is invalid: must be >= 2 "
+                              f"(or null: the dataset's tokenizer says)")
+
+    def vocabulary(self, key: str, ds: ShardedDataset) -> int:
+        if self.vocab_size is not None:
+            return self.vocab_size
+        tokenizer = attributes(ds).get("tokenizer")
+        if isinstance(tokenizer, dict) and isinstance(tokenizer.get("vocab_size"), int):
+            return int(tokenizer["vocab_size"])
+        raise ConfigError(f"{key}={str(ds.root)!r} records no tokenizer, so its vocabulary size is "
+                          f"unknown: set task.vocab_size=N (every token id must be < N), or prepare "
+                          f"it with python -m jobs.prepare format=text")
+
+    def windows(self, key: str, ds: ShardedDataset) -> TokenWindows:
+        try:
+            return TokenWindows(ds, self.field, self.seq_len)
+        except DatasetError as e:
+            raise ConfigError(f"task.field={self.field!r} is invalid for {key}: {e} (fields: "
+                              f"{describe_fields(ds)})") from e
+
+    def check_dataset(self, key: str, ds: ShardedDataset) -> None:
+        self.vocabulary(key, ds)
+        windows = self.windows(key, ds)
+        if windows.num_windows < 1:
+            raise ConfigError(f"data.seq_len={self.seq_len} is invalid: {key}={str(ds.root)!r} holds "
+                              f"{windows.num_tokens} tokens, fewer than one window of seq_len + 1 "
+                              f"(try data.seq_len={max(windows.num_tokens - 1, 1)})")
+
+    def model_kwargs(self, ds: ShardedDataset) -> dict[str, Any]:
+        return {"vocab_size": self.vocabulary("data.path", ds), "seq_len": self.seq_len}
+
+    def source(self, ds: ShardedDataset) -> TokenWindows:
+        return self.windows("data.path", ds)
+
+    def fields(self) -> tuple[str, ...]:
+        return "input", "target", "is_pad"
+
+    def forward(self, model: nn.Module, batch: Batch) -> Tensor:
+        return model(batch["input"])
+
+    def loss_sums(self, output: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+        tokens = real_mask(batch).unsqueeze(1).expand_as(batch["target"])  # bool [B, L]
+        per_token = F.cross_entropy(output.float().flatten(0, 1), batch["target"].flatten(),
+                                    reduction="none")  # [B * L]
+        return (per_token * tokens.flatten()).sum(), tokens.sum()
+
+    def denominator(self, batch_size: int) -> float:
+        return float(batch_size * self.seq_len)
+
+    def eval_metrics(self, sums: Any) -> dict[str, float]:
+        loss = sums[0] / sums[1]
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
