@@ -190,7 +190,7 @@ def conclude(result: RankResult, spec: CommandSpec, run: Path, env: dist_env.Dis
     """This rank's outcome from how its command ended (the module docstring has the rules)."""
     code = result.exit_code
     if code == REQUEUE_EXIT_CODE or (stop.time_limit and code != 0):
-        _requeue_or_fail(result, spec, env, status)
+        _requeue_or_fail(result, spec, env, run)
     if stop.preempted and code != 0:
         print(f"switchyard: rank {env.rank} stopped by SIGTERM (preemption or cancel)", flush=True)
         raise rank_env.AttemptNotOver(-1)  # no result: the attempt is not over, SLURM decides what comes next
@@ -206,14 +206,12 @@ def conclude(result: RankResult, spec: CommandSpec, run: Path, env: dist_env.Dis
     return result
 
 
-def _requeue_or_fail(result: RankResult, spec: CommandSpec, env: dist_env.DistEnv,
-                     status: TaskStatus | None) -> None:
+def _requeue_or_fail(result: RankResult, spec: CommandSpec, env: dist_env.DistEnv, run: Path) -> None:
     """Rank 0 requeues (SLURM then stops every rank); the others leave without a result."""
     asked = "asked to be requeued" if result.exit_code == REQUEUE_EXIT_CODE else "stopped at the time limit"
     if env.source != "slurm":
         raise CommandFailed(f"rank {env.rank}: the command {asked} (exit {result.exit_code}), but only "
-                            f"SLURM requeues (cluster=slurm); rerun with hydra.run.dir="
-                            f"{os.environ.get(rank_env.RUN_DIR_ENV, '<this run directory>')} to continue")
+                            f"SLURM requeues (cluster=slurm); rerun with hydra.run.dir={run} to continue")
     if not env.is_main:
         raise rank_env.AttemptNotOver(0)  # not a failure: srun must not stop rank 0 before it requeues
     if env.restart_count >= spec.max_requeues:

@@ -105,3 +105,12 @@ def test_each_rank_gets_torchruns_variables_and_the_run_directory(tmp_path: Path
          "MASTER_ADDR": "n1", "MASTER_PORT": "40123"}
     assert variables["SWITCHYARD_RUN_DIR"] == str(tmp_path) and variables["SWITCHYARD_RESTART_COUNT"] == "1"
     assert variables["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the ranks join the store served for them
+
+
+def test_asking_for_a_requeue_outside_slurm_says_how_to_continue(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={run_dir}", "parallelism.procs_per_node=1",
+                          "--", sys.executable, "-c", "raise SystemExit(75)")
+    assert proc.returncode == 2
+    assert "asked to be requeued (exit 75), but only SLURM requeues" in proc.stderr, proc.stderr
+    assert f"hydra.run.dir={run_dir}" in proc.stderr

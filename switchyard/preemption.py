@@ -1,0 +1,84 @@
+"""Preemption for your own script, run by ``switchyard run`` (importable without torch)::
+
+    from switchyard import preemption
+
+    preemption.install()                      # SIGUSR2 / SIGTERM now set a flag instead of killing
+    state = load(preemption.checkpoint_dir())  # RUN/checkpoints: the same directory after a requeue
+    for step in range(state.step, total):
+        train_one_step()
+        if preemption.stop_requested():       # on several ranks: agree first (all_reduce the flag)
+            save(preemption.checkpoint_dir())  # rank 0, then a barrier
+            preemption.requeue()              # exits with REQUEUE_EXIT_CODE: Switchyard requeues
+
+SLURM sends SIGUSR2 ``cluster.signal_delay_s`` before the time limit and SIGTERM on preemption.
+Exiting with :data:`REQUEUE_EXIT_CODE` puts the job back in the queue (up to
+``cluster.max_requeues``), in the same run directory, with :func:`restart_count` one higher. A
+script that does not answer the signal is requeued anyway, ``signal_delay_s / 2`` after it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL ("try again"): exit with it to be requeued
+RUN_DIR_ENV = "SWITCHYARD_RUN_DIR"
+RESTART_ENV = "SWITCHYARD_RESTART_COUNT"
+
+_SIGNALS = {signal.SIGUSR2: "time_limit", signal.SIGTERM: "preempted"}
+_received: list[str] = []
+
+
+def install() -> None:
+    """SIGUSR2 (time limit) and SIGTERM (preemption) set the flag :func:`stop_requested` reads,
+    instead of ending the process. Call it once, early; calling it again changes nothing."""
+    for signum in _SIGNALS:
+        signal.signal(signum, _on_signal)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _received.append(_SIGNALS[signal.Signals(signum)])
+
+
+def stop_requested() -> bool:
+    """A stop was asked for: checkpoint now, then :func:`requeue` (or just exit on preemption)."""
+    return bool(_received)
+
+
+def reason() -> str | None:
+    """``"preempted"`` (SIGTERM) over ``"time_limit"`` (SIGUSR2); None while nothing arrived."""
+    if not _received:
+        return None
+    return "preempted" if "preempted" in _received else "time_limit"
+
+
+def run_dir() -> Path:
+    """The job's run directory (``SWITCHYARD_RUN_DIR``); a requeued job gets the same one."""
+    value = os.environ.get(RUN_DIR_ENV)
+    if not value:
+        raise RuntimeError(f"{RUN_DIR_ENV} is not set: this process was not started by switchyard run "
+                           f"(try switchyard run cluster=local -- python {Path(sys.argv[0]).name})")
+    return Path(value)
+
+
+def checkpoint_dir() -> Path:
+    """``RUN/checkpoints``, created: where to save, and where a requeued job finds it again."""
+    path = run_dir() / "checkpoints"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def restart_count() -> int:
+    """0 on the first run, +1 per requeue."""
+    return int(os.environ.get(RESTART_ENV, "0"))
+
+
+def requeue() -> NoReturn:
+    """Leave asking to be requeued: call it after the checkpoint is written (on every rank)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(REQUEUE_EXIT_CODE)
