@@ -59,3 +59,58 @@ IGNORING_SCRIPT = textwrap.dedent("""
         open(os.path.join(os.environ["SWITCHYARD_RUN_DIR"], f"started-{os.environ['RANK']}"), "w").close()
         time.sleep(600)
 """)
+
+# A user's program submitting a function with switchyard.submit: the function is defined in
+# __main__, as in a notebook or a script, so it travels by value.
+FUNCTION_PROGRAM = textwrap.dedent("""
+    import json, sys
+    import switchyard
+
+    def train(scale):
+        import os
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(total)
+        out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item() * scale,
+               "local_rank": int(os.environ["LOCAL_RANK"]), "run_dir": os.environ["SWITCHYARD_RUN_DIR"]}
+        dist.destroy_process_group()
+        return out
+
+    if __name__ == "__main__":
+        job = switchyard.submit(train, 2.0, overrides=sys.argv[2:], run_dir=sys.argv[1])
+        print("ref", job.ref, "job_id", job.job_id, flush=True)
+        print("results", json.dumps(job.result()), flush=True)
+        print("status", job.status, flush=True)
+""")
+
+# A callable with submitit's checkpoint() protocol: its state travels in the object it returns.
+CHECKPOINTABLE_PROGRAM = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    import submitit
+    import switchyard
+
+    class Counter:
+        def __init__(self, start=0):
+            self.start, self.step = start, start
+
+        def __call__(self, steps):
+            run = Path(os.environ["SWITCHYARD_RUN_DIR"])
+            while self.step < steps:
+                self.step += 1
+                time.sleep(0.05)
+                if os.environ["RANK"] == "0":
+                    (run / "progress").write_text(str(self.step))
+            return {"rank": int(os.environ["RANK"]), "started_at": self.start,
+                    "restart": int(os.environ["SWITCHYARD_RESTART_COUNT"])}
+
+        def checkpoint(self, steps):
+            print(f"checkpoint at step {self.step}", flush=True)
+            return submitit.helpers.DelayedSubmission(Counter(self.step), steps)
+
+    if __name__ == "__main__":
+        job = switchyard.submit(Counter(), 300, overrides=sys.argv[2:], run_dir=sys.argv[1])
+        print("job_id", job.job_id, flush=True)
+        print("results", json.dumps(job.result()), flush=True)
+""")

@@ -59,6 +59,11 @@ def check_before_submit(cfg: RunConfig) -> None:
     """What would fail on every rank after the queue wait, found here: the command, the
     directory it runs in, the GPUs of this machine (local), and SLURM's verdict (slurm)."""
     check_command(cfg.command, Path(cfg.cwd or os.getcwd()))
+    check_resources(cfg)
+
+
+def check_resources(cfg: RunConfig) -> None:
+    """SLURM's verdict on the request (slurm), or this machine's GPUs (local)."""
     if cfg.cluster.mode == "slurm":
         params = submit.slurm_parameters(cfg.cluster, cfg.parallelism)
         slurm_request.check(params, request_keys(cfg.parallelism))

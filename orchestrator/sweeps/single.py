@@ -62,9 +62,9 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
 
 
 def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],
-                     config_yaml: str) -> Recorded | None:
-    """``record`` for a job just queued; a registry that cannot take it is a warning, not an
-    error: the job runs anyway, and says so."""
+                     config_yaml: str, announce: bool = True) -> Recorded | None:
+    """``record`` for a job just queued (``announce``: print its id); a registry that cannot take
+    it is a warning, not an error: the job runs anyway, and says so."""
     from submitit.local.local import LocalJob  # here: `switchyard status` imports this module, light
 
     executor = "local" if isinstance(job, LocalJob) else "slurm"
@@ -74,7 +74,8 @@ def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Pa
     except (RegistryError, sqlite3.Error, OSError) as e:
         print(f"warning: job {job.job_id} runs, but the registry did not record it: {e}", file=sys.stderr)
         return None
-    print(f"job: {recorded.ref} (switchyard status {recorded.ref})", flush=True)
+    if announce:
+        print(f"job: {recorded.ref} (switchyard status {recorded.ref})", flush=True)
     return recorded
 
 
