@@ -127,7 +127,7 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
     store, endpoint = rank_env.serve_or_find_store(env, rdzv, spec.rendezvous_timeout_s)
     variables = {**spec.extra_env, **rank_env.rank_variables(env, endpoint, run, spec.max_requeues)}
     _record_environment(run, env, variables)
-    status = _report_start(run, env)
+    status = report_start(run, env)
     started = time.monotonic()
     child = spawn(spec, variables)
     stop.child = child
@@ -141,8 +141,7 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
             ended_at = time.time()
     finally:
         _stop_child(child)
-        atomic.write_json(rank_env.done_file(rdzv, env, env.rank), {"exit_code": code, "ended_at": ended_at},
-                          durable=False)
+        mark_done(rdzv, env, code, ended_at)
     result = RankResult(env.rank, env.hostname, code, time.monotonic() - started)
     return conclude(result, spec, run, env, stop, status, store)
 
@@ -196,12 +195,12 @@ def conclude(result: RankResult, spec: CommandSpec, run: Path, env: dist_env.Dis
         raise rank_env.AttemptNotOver(-1)  # no result: the attempt is not over, SLURM decides what comes next
     if code != 0:
         error = describe_failure(result, spec, first_failure(run / "rendezvous", env))
-        _report_end(run, status, 1, error.splitlines()[0], telemetry=spec.telemetry)
+        report_end(run, status, 1, error.splitlines()[0], telemetry=spec.telemetry)
         raise CommandFailed(error)
     if env.is_main:
-        _wait_for_ranks(run / "rendezvous", env)
+        wait_for_ranks(run / "rendezvous", env)
         _write_summary(run, env, spec, result)
-        _report_end(run, status, 0, None, telemetry=False)
+        report_end(run, status, 0, None, telemetry=False)
     del store  # rank 0: the store lives until here, when every rank's command has ended
     return result
 
@@ -282,7 +281,14 @@ def _tail(path: Path) -> list[str]:
     return kept[-TAIL_LINES:]
 
 
-def _wait_for_ranks(rdzv: Path, env: dist_env.DistEnv) -> None:
+def mark_done(rdzv: Path, env: dist_env.DistEnv, code: int, ended_at: float) -> None:
+    """This rank's command (or function) has ended, how and when: rank 0 waits for every rank's
+    before it lets the store go, and a failing rank learns whether another failed first."""
+    atomic.write_json(rank_env.done_file(rdzv, env, env.rank), {"exit_code": code, "ended_at": ended_at},
+                      durable=False)
+
+
+def wait_for_ranks(rdzv: Path, env: dist_env.DistEnv) -> None:
     deadline = time.monotonic() + DONE_WAIT_S
     missing = list(range(env.world_size))
     while missing and time.monotonic() < deadline:
@@ -299,7 +305,7 @@ def _record_environment(run: Path, env: dist_env.DistEnv, variables: dict[str, s
     atomic.write_json(run / "env" / f"rank-{env.rank}.json", record, indent=1, durable=False)
 
 
-def _report_start(run: Path, env: dist_env.DistEnv) -> TaskStatus | None:
+def report_start(run: Path, env: dist_env.DistEnv) -> TaskStatus | None:
     """Rank 0's status file for ``switchyard status`` (a sweep point's, or a single job's)."""
     if not env.is_main:
         return None
@@ -310,7 +316,7 @@ def _report_start(run: Path, env: dist_env.DistEnv) -> TaskStatus | None:
     return status
 
 
-def _report_end(run: Path, status: TaskStatus | None, code: int, error: str | None,
+def report_end(run: Path, status: TaskStatus | None, code: int, error: str | None,
                 telemetry: bool) -> None:
     if status is None:
         return
