@@ -114,3 +114,14 @@ CHECKPOINTABLE_PROGRAM = textwrap.dedent("""
         print("job_id", job.job_id, flush=True)
         print("results", json.dumps(job.result()), flush=True)
 """)
+
+# One sweep point per --lr; the point with lr 0.3 fails until RUN/../fixed exists (for resubmit).
+SWEEP_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    lr = float(sys.argv[sys.argv.index("--lr") + 1])
+    print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} lr={lr}", flush=True)
+    if lr == 0.3 and not (Path(os.environ["SWITCHYARD_RUN_DIR"]).parent / "fixed").exists():
+        print("lr 0.3 diverges", flush=True)
+        sys.exit(3)
+""")

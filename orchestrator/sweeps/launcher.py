@@ -28,6 +28,7 @@ import copy
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from hydra.errors import CompactHydraException, HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
@@ -587,7 +588,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
             if state.sweep_id is None:  # Hydra's later batches of the same sweep join it
                 state.entry = write_entry(sweep_dir, task_function, hydra_context)
                 state.sweep_id = registry.create_sweep(
-                    app=str(master.hydra.job.name), command=" ".join(master.hydra.overrides.task),
+                    app=str(master.hydra.job.name), command=sweep_command(master),
                     sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
             for p in points:
                 write_point(p, cast(Path, state.entry))
@@ -628,6 +629,17 @@ def _submit_and_wait(settings: LauncherSettings, registry: Registry, sweep_id: i
     log.info(f"Switchyard: sweep {sweep_id} ended: {', '.join(f'{n} {s}' for s, n in states.items())} "
              f"(switchyard status {sweep_id}{where})")
     return returns
+
+
+def sweep_command(master: DictConfig) -> str:
+    """The sweep's overrides as typed, and for ``switchyard run -m`` the command after ``--``
+    (unresolved: ``${lr}`` as the user wrote it)."""
+    overrides = " ".join(master.hydra.overrides.task)
+    command = master.get("command") if "command" in master else None
+    if not isinstance(command, ListConfig):
+        return overrides
+    argv = OmegaConf.to_container(command, resolve=False)
+    return f"{overrides} -- {shlex.join(str(a) for a in cast(list[Any], argv))}"
 
 
 RESOURCE_FIELDS = ("partition", "account", "qos", "constraint", "exclude", "timeout_min", "mem_gb",

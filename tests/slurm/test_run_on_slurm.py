@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from script_helpers import DDP_SCRIPT  # torch.distributed and torchrun's variables only
+from script_helpers import DDP_SCRIPT, SWEEP_SCRIPT
 
 from orchestrator.launch import slurm_query
 
@@ -121,3 +121,27 @@ def test_a_single_train_job_not_waited_for_is_in_switchyard_status(
     assert job["state"] == "COMPLETED" and job["slurm_id"] == job_id
     logs = switchyard(registry, tmp_path, "logs", job_id)
     assert "switchyard: rank 0/2" in logs.stdout
+
+
+def test_a_command_sweep_runs_as_a_job_array_and_a_failed_point_resubmits(
+        tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
+    (tmp_path / "train.py").write_text(SWEEP_SCRIPT)
+    sweep_dir = tmp_path / "sweep"
+    proc = switchyard(registry, tmp_path, "run", "-m", "cluster=slurm", "parallelism.nodes=2",
+                      "parallelism.procs_per_node=1", "+lr=0.1,0.3", f"hydra.sweep.dir={sweep_dir}",
+                      "--", sys.executable, "train.py", "--lr", "${lr}")
+    first = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)
+    queued += [j["slurm_id"] for j in first["jobs"]]
+    assert [j["state"] for j in first["jobs"]] == ["COMPLETED", "FAILED"], proc.stderr[-3000:]
+    array_ids = {j["slurm_id"].split("_")[0] for j in first["jobs"]}
+    assert len(array_ids) == 1 and all("_" in j["slurm_id"] for j in first["jobs"])  # one array
+    logs = switchyard(registry, tmp_path, "logs", "1/1")
+    assert "lr=0.3" in logs.stdout and "lr 0.3 diverges" in logs.stdout
+    (sweep_dir / "fixed").touch()
+    again = switchyard(registry, tmp_path, "resubmit", "1", "--failed", "--json")
+    assert again.returncode == 0, again.stderr
+    (retry,) = json.loads(again.stdout)["resubmitted"]
+    queued.append(retry["slurm_id"])
+    slurm_query.wait_for_terminal_states([retry["slurm_id"]], timeout_s=120)
+    final = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)
+    assert [(j["state"], j["attempt"]) for j in final["jobs"]] == [("COMPLETED", 1), ("COMPLETED", 2)]

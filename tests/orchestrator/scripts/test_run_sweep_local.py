@@ -1,0 +1,31 @@
+"""`switchyard run -m ... -- COMMAND ${key}`: one job per point through the sweep launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from script_helpers import SWEEP_SCRIPT
+
+
+def test_a_command_sweep_runs_each_point_with_its_value_and_records_the_sweep(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(SWEEP_SCRIPT)
+    (tmp_path / "sweep" / "fixed").parent.mkdir()
+    (tmp_path / "sweep" / "fixed").touch()
+    env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "-m", "+lr=0.1,0.3",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}", "--", sys.executable, "train.py",
+                           "--lr", "${lr}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = json.loads(subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"],
+                                       env=env, capture_output=True, text=True, check=True).stdout)
+    assert status["sweep"]["command"] == f"+lr=0.1,0.3 -- {sys.executable} train.py --lr '${{lr}}'"
+    assert [(j["overrides"], j["state"]) for j in status["jobs"]] == \
+        [(["+lr=0.1"], "COMPLETED"), (["+lr=0.3"], "COMPLETED")]
+    logs = subprocess.run([sys.executable, "-m", "orchestrator.cli", "logs", "1/1", "--rank", "1"], env=env,
+                          capture_output=True, text=True, check=True).stdout
+    assert "rank 1/2 lr=0.3" in logs
