@@ -144,12 +144,21 @@ def field_of(key: str, ds: ShardedDataset, option: str, name: str) -> Any:
     return spec
 
 
-def as_float_input(x: Tensor) -> Tensor:
-    """A model input as float: uint8 (images) scaled to [0, 1] as torchvision's ToTensor does,
-    other integers as they are, floats untouched."""
-    if x.dtype == torch.uint8:
-        return x.float().div_(255.0)
-    return x if x.is_floating_point() else x.float()
+def sample_shape(ds: ShardedDataset, name: str) -> tuple[int | None, ...]:
+    """A field's shape per sample: the leading size filled in where every sample has the same one
+    (the format records every leading size as variable; images ``[3, 32, 32]`` are all 3), None
+    where it varies (rows of a ``[rows, features]`` field)."""
+    shape = tuple(ds.schema[name].shape)
+    stats = ds.field_stats.get(name)
+    if shape and shape[0] is None and stats is not None and stats.min_leading == stats.max_leading:
+        return (stats.min_leading, *shape[1:])
+    return shape
+
+
+def model_input(x: Tensor) -> Tensor:
+    """A model input as the model takes it: uint8 (images) as float in [0, 1], as torchvision's
+    ToTensor does; other integers (token ids) and floats as they are."""
+    return x.float().div_(255.0) if x.dtype == torch.uint8 else x
 
 
 def attributes(ds: ShardedDataset) -> Mapping[str, Any]:

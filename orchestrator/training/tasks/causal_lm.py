@@ -46,8 +46,8 @@ class CausalLm(Task):
                               f"{describe_fields(ds)})") from e
 
     def check_dataset(self, key: str, ds: ShardedDataset) -> None:
-        self.vocabulary(key, ds)
         windows = self.windows(key, ds)
+        self.vocabulary(key, ds)
         if windows.num_windows < 1:
             raise ConfigError(f"data.seq_len={self.seq_len} is invalid: {key}={str(ds.root)!r} holds "
                               f"{windows.num_tokens} tokens, fewer than one window of seq_len + 1 "

@@ -2,8 +2,8 @@
 
 An input of ``[rows, features]`` (the built-in models' contract) is called as ``model(x, mask)``,
 with an all-true mask where the rows are stacked; any other input (images ``[C, H, W]``, a flat
-``[features]``) as ``model(x)``, or ``model(x, mask)`` where its leading size varies. uint8 inputs
-(images) arrive as float in [0, 1].
+``[features]``, token ids) as ``model(x)``, or ``model(x, mask)`` where its leading size varies.
+uint8 inputs (images) arrive as float in [0, 1], other integers (token ids) as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from orchestrator.config import ConfigError, DataConfig
-from orchestrator.training.tasks import Batch, Task, as_float_input, attributes, field_of, real_mask
+from orchestrator.training.tasks import (
+    Batch,
+    Task,
+    attributes,
+    describe_fields,
+    field_of,
+    model_input,
+    real_mask,
+    sample_shape,
+)
 from sharding import DatasetError, ShardedDataset
 
 
@@ -32,22 +41,22 @@ class SampleInput:
 
     def check(self, key: str, ds: ShardedDataset) -> None:
         spec = field_of(key, ds, "data.input_field", self.field)
-        if not (spec.dtype.startswith("float") or spec.dtype == "uint8") or spec.shape == ():
+        if spec.shape == () or spec.dtype == "bool":
             raise ConfigError(f"data.input_field={self.field!r} is invalid: {key}={str(ds.root)!r} has "
-                              f"{self.field}: {spec}, and a model input must be a float or uint8 array "
-                              f"of one or more dimensions (prepare it so, or choose another field)")
+                              f"{self.field}: {spec}, and a model input must be a numeric array of one "
+                              f"or more dimensions (prepare it so, or choose another field)")
 
     def model_kwargs(self, ds: ShardedDataset) -> dict[str, Any]:
         spec = ds.schema[self.field]
         if len(spec.shape) == 2:
             return {"in_features": int(spec.shape[-1] or 0)}
-        return {"input_shape": tuple(spec.shape)}
+        return {"input_shape": sample_shape(ds, self.field)}
 
     def fields(self) -> tuple[str, ...]:
         return self.field, f"{self.field}_mask"
 
     def forward(self, model: nn.Module, batch: Batch) -> Tensor:
-        x = as_float_input(batch[self.field])
+        x = model_input(batch[self.field])
         mask = batch.get(f"{self.field}_mask")
         if self.rows_features and mask is None:  # stacked rows: every row is real
             mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
@@ -78,6 +87,10 @@ class Classify(Task):
                           f"output size; the dataset records no class list): try data.num_classes=10")
 
     def check_dataset(self, key: str, ds: ShardedDataset) -> None:
+        if "tokenizer" in attributes(ds) and self.target not in ds.schema:
+            raise ConfigError(f"data.target_field={self.target!r} is invalid: {key}={str(ds.root)!r} is "
+                              f"token data with no class field (fields: {describe_fields(ds)}); a "
+                              f"language model on it: task=causal_lm model=gpt")
         self.input.check(key, ds)
         spec = field_of(key, ds, "data.target_field", self.target)
         if spec.shape != () or "int" not in spec.dtype:

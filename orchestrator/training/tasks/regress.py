@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from orchestrator.config import ConfigError, DataConfig
-from orchestrator.training.tasks import Batch, Task, field_of, real_mask
+from orchestrator.training.tasks import Batch, Task, field_of, real_mask, sample_shape
 from orchestrator.training.tasks.classify import SampleInput
 from sharding import ShardedDataset
 
@@ -28,13 +28,13 @@ class Regress(Task):
     def check_dataset(self, key: str, ds: ShardedDataset) -> None:
         self.input.check(key, ds)
         spec = field_of(key, ds, "data.target_field", self.target)
-        if not spec.dtype.startswith("float") or None in spec.shape:
+        if not spec.dtype.startswith("float") or None in sample_shape(ds, self.target):
             raise ConfigError(f"data.target_field={self.target!r} is invalid: task=regress needs a "
                               f"float target of one fixed shape, and {key}={str(ds.root)!r} has "
                               f"{self.target}: {spec} (an integer class: task=classify)")
 
     def model_kwargs(self, ds: ShardedDataset) -> dict[str, Any]:
-        shape = ds.schema[self.target].shape
+        shape = sample_shape(ds, self.target)
         return {**self.input.model_kwargs(ds), "num_outputs": math.prod(int(d or 0) for d in shape)}
 
     def fields(self) -> tuple[str, ...]:
