@@ -9,6 +9,7 @@ for it, failing with the failing rank's name and log tail.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -166,8 +167,15 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
 
 
 def report(results: list[rank.RankResult], run_dir: Path) -> list[rank.RankResult]:
+    """The end, as ``jobs.train`` reports it: where the summary is, and its memory warnings."""
     nodes = sorted({r.node for r in results})
     print(f"done: {len(results)} rank(s) on {', '.join(nodes)} exited 0; summary: {run_dir / 'summary.json'}")
+    try:
+        memory = json.loads((run_dir / "summary.json").read_text()).get("memory") or {}
+    except (OSError, ValueError):
+        memory = {}
+    for flag in memory.get("flags", []):  # idle GPUs, GPU 0 overload, a rank on another's GPU
+        print(f"memory warning: {flag}")
     return results
 
 
