@@ -1,5 +1,5 @@
-"""Preflight, on every rank before the process group starts: the node shows the GPUs the job asked
-for, this local rank has its own, and each GPU's free memory goes into the rank's log.
+"""Preflight, on every rank before the process group starts: every local rank has a GPU of its own
+(more may be visible), and each GPU's free memory goes into the rank's log.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ class PreflightReport:
 def preflight(gpus_per_node: int, local_rank: int, local_world_size: int,
               nvml: NvmlApi | NvmlChoice | None = "auto",
               environ: Mapping[str, str] | None = None) -> PreflightReport:
-    """Before training: this node shows ``gpus_per_node`` GPUs and this local rank has its own.
+    """Before training: every local rank on this node has a GPU of its own.
 
-    Two layouts pass: every rank sees all the node's GPUs (rank uses ``cuda:<local_rank>``), or
-    SLURM binds one GPU per task (each rank sees one, ``cuda:0``). Raises :class:`PreflightError`.
+    Two layouts pass: every rank sees at least as many GPUs as the node runs ranks (rank uses
+    ``cuda:<local_rank>``; extra GPUs stay unused, as under ``cluster=debug``), or SLURM binds one
+    GPU per task (each rank sees one, ``cuda:0``). Raises :class:`PreflightError`.
     """
     if gpus_per_node == 0:
         return PreflightReport(local_rank=local_rank, device_index=None, device_nvml_index=None)
@@ -67,23 +68,23 @@ def preflight(gpus_per_node: int, local_rank: int, local_world_size: int,
 
 def _device_for_rank(gpus_per_node: int, local_rank: int, local_world_size: int, num_visible: int,
                      env: Mapping[str, str]) -> int:
-    where = describe_visible(env)
+    """This rank's CUDA ordinal. A rank needs only its own GPU: more visible GPUs than ranks is
+    fine (``cluster=debug`` runs one rank on a node showing all of them; ``torchrun
+    --nproc-per-node=2`` on an 8-GPU box). Too few fails on every rank alike, not only on the
+    ranks left without one, so none of them waits at the rendezvous for the others."""
     if num_visible == 1 and local_world_size == gpus_per_node:
         return 0  # one GPU bound per task (--gpus-per-task=1 or --gpu-bind): every rank uses cuda:0
-    if num_visible != gpus_per_node:
+    if num_visible >= local_world_size:
+        return local_rank
+    where = describe_visible(env)
+    if local_world_size == gpus_per_node:
         raise PreflightError(
             f"parallelism.gpus_per_node={gpus_per_node} but this node shows {num_visible} GPUs ({where}): "
             f"request --gpus-per-node={gpus_per_node} or set parallelism.gpus_per_node={num_visible}")
-    if local_rank >= num_visible:
-        raise PreflightError(
-            f"local rank {local_rank} has no GPU of its own: this node runs {local_world_size} ranks but "
-            f"shows {num_visible} GPUs ({where}): launch one rank per GPU (--ntasks-per-node={num_visible})")
-    if local_world_size != gpus_per_node:
-        raise PreflightError(
-            f"this node runs {local_world_size} ranks but parallelism.gpus_per_node={gpus_per_node}: "
-            f"{gpus_per_node - local_world_size} GPU(s) would stay idle; launch one rank per GPU "
-            f"(--ntasks-per-node={gpus_per_node})")
-    return local_rank
+    raise PreflightError(
+        f"this node runs {local_world_size} ranks but shows {num_visible} GPUs ({where}): local ranks "
+        f"{num_visible} to {local_world_size - 1} have no GPU of their own; launch one rank per GPU "
+        f"(--ntasks-per-node={num_visible})")
 
 
 def _gpu_memory(nvml: NvmlApi, index: int) -> GpuMemory:

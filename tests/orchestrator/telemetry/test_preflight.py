@@ -52,19 +52,33 @@ def test_preflight_count_mismatch_names_numbers_and_fix() -> None:
                                "parallelism.gpus_per_node=2")
 
 
-def test_preflight_local_rank_beyond_visible_devices() -> None:
-    with pytest.raises(PreflightError) as info:
-        preflight(4, local_rank=5, local_world_size=6, nvml=four_free_gpus(), environ=NO_ENV)
-    assert str(info.value) == ("local rank 5 has no GPU of its own: this node runs 6 ranks but shows 4 GPUs "
-                               "(CUDA_VISIBLE_DEVICES unset): launch one rank per GPU (--ntasks-per-node=4)")
-    # every rank fails the same way, not only the ones past the end
-    with pytest.raises(PreflightError, match=r"^this node runs 6 ranks but parallelism.gpus_per_node=4"):
-        preflight(4, local_rank=0, local_world_size=6, nvml=four_free_gpus(), environ=NO_ENV)
+def test_preflight_more_ranks_than_gpus_fails_on_every_rank() -> None:
+    for local_rank in (5, 0):  # every rank fails the same way, not only the ones past the end
+        with pytest.raises(PreflightError) as info:
+            preflight(4, local_rank=local_rank, local_world_size=6, nvml=four_free_gpus(), environ=NO_ENV)
+        assert str(info.value) == ("this node runs 6 ranks but shows 4 GPUs (CUDA_VISIBLE_DEVICES unset): "
+                                   "local ranks 4 to 5 have no GPU of their own; launch one rank per GPU "
+                                   "(--ntasks-per-node=4)")
 
 
-def test_preflight_fewer_ranks_than_gpus_would_leave_gpus_idle() -> None:
-    with pytest.raises(PreflightError, match=r"runs 3 ranks but .*gpus_per_node=4: 1 GPU\(s\) would"):
-        preflight(4, local_rank=0, local_world_size=3, nvml=four_free_gpus(), environ=NO_ENV)
+def test_preflight_debug_mode_one_rank_on_a_node_showing_every_gpu() -> None:
+    """cluster=debug parallelism=gpu: one rank (gpus_per_node=4 from the group) on an 8-GPU box."""
+    eight = FakeNvml([FakeGpu(used=[0], util=[0]) for _ in range(8)])
+    report = preflight(4, local_rank=0, local_world_size=1, nvml=eight, environ=NO_ENV)
+    assert (report.device_index, report.device_nvml_index) == (0, 0)
+    one_of_two = preflight(4, local_rank=0, local_world_size=1, nvml=four_free_gpus(),
+                           environ={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert (one_of_two.device_index, one_of_two.device_nvml_index) == (0, 2)
+
+
+def test_preflight_fewer_ranks_than_gpus_each_takes_its_own() -> None:
+    """torchrun --nproc-per-node=3 on a 4-GPU node: the fourth GPU stays unused, no rank fails."""
+    reports = [preflight(3, local_rank=r, local_world_size=3, nvml=four_free_gpus(), environ=NO_ENV)
+               for r in range(3)]
+    assert [(r.device_index, r.device_nvml_index) for r in reports] == [(0, 0), (1, 1), (2, 2)]
+    # the same from the built-in config's gpus_per_node=4 with 3 ranks started on the node
+    report = preflight(4, local_rank=2, local_world_size=3, nvml=four_free_gpus(), environ=NO_ENV)
+    assert report.device_index == 2
 
 
 def test_preflight_without_driver_is_a_clear_error_and_cpu_training_is_a_no_op() -> None:
