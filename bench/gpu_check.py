@@ -7,7 +7,9 @@
 4. a resume: a run stopped at step 20 continued in place to step 40;
 5. ``bench/train_bench.py --device cuda`` for mlp and transformer at batch 256 with 4 workers;
 6. ``parallelism.strategy=fsdp`` on every GPU (bf16): a run, a resume, and ``bench/fsdp_bench.py
-   --device cuda`` (model state and peak allocated per rank, ddp vs fsdp, 1024 wide, 8 layers).
+   --device cuda`` (model state and peak allocated per rank, ddp vs fsdp, 1024 wide, 8 layers);
+7. ``task=causal_lm model=gpt`` on every GPU, bf16, under ddp and fsdp, on byte tokens of the
+   Python standard library's sources: tokens/s, model TFLOP/s and MFU.
 
 It needs only what a GPU node has: a python with torch, and the pure-Python packages from a local
 folder (``make gpu-deps`` fills ``.gpu-deps`` where a package index is reachable; copy it over).
@@ -159,6 +161,43 @@ def fsdp(c: Check, gpus: int) -> None:
     c.row("fsdp_bench, 1024 wide, 8 layers", "ok", " ".join(table[2:]))
 
 
+def byte_corpus(path: Path) -> Path:
+    """The standard library's top-level sources as byte tokens, one document per file, EOS 256:
+    what ``jobs.prepare format=text tokenizer=bytes`` writes, without the tokenizers package."""
+    import sysconfig
+
+    import numpy as np
+
+    from sharding import DatasetWriter
+
+    with DatasetWriter(path, attributes={"tokenizer": {"kind": "bytes", "vocab_size": 257, "eos_id": 256,
+                                                       "file": None}}) as writer:
+        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            data = np.frombuffer(source.read_bytes(), dtype=np.uint8).astype(np.uint16)
+            writer.append({"tokens": np.append(data, np.uint16(256))})
+    return path
+
+
+def causal_lm(c: Check, gpus: int) -> None:
+    data = byte_corpus(c.tmp / "stdlib-bytes")
+    for strategy in ("ddp", "fsdp"):
+        check = f"causal_lm gpt {strategy} bf16 on {gpus} GPU(s)"
+        proc, summary, run_dir = c.train(
+            check, "cluster=local", f"parallelism.gpus_per_node={gpus}", f"parallelism.strategy={strategy}",
+            "task=causal_lm", "model=gpt", "model.d_model=768", "model.num_layers=12", "model.num_heads=12",
+            "data.seq_len=1024", "data.batch_size=8", "memory.amp=bf16", f"data.path={data}",
+            "optim.max_steps=60", "log_every_steps=20", "logger=jsonl")
+        if summary is None:
+            c.failed(check, proc)
+            continue
+        last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if "tokens_per_s" in line][-1]
+        mfu = "null" if last["mfu"] is None else f"{100 * last['mfu']:.1f}%"
+        c.row(check, "ok" if len(set(summary["param_checksum_per_rank"])) == 1 else "FAILED",
+              f"{last['tokens_per_s']:,.0f} tokens/s, {last['model_tflops_per_s']:.1f} model TFLOP/s, "
+              f"MFU {mfu}, loss {summary['final_train_loss']:.3f}, peak {peak_gib(summary)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +212,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="switchyard-gpu-check-") as tmp:
         c = Check(Path(tmp))
         for step in (gpu_tests, lambda c: modes(c, gpus), memory_options, resume,
-                     lambda c: train_bench(c, args.quick), lambda c: fsdp(c, gpus)):
+                     lambda c: train_bench(c, args.quick), lambda c: fsdp(c, gpus),
+                     lambda c: causal_lm(c, gpus)):
             step(c)
     print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}\n")
     print("| check | result | detail |\n|---|---|---|")
