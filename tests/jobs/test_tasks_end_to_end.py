@@ -101,6 +101,21 @@ def test_a_language_model_resumes_exactly_and_on_another_world_size(tmp_path: Pa
     assert done["world_size"] == 1 and done["steps"] == 30
 
 
+def test_a_language_model_under_fsdp_bf16_with_checkpointing_and_accumulation(
+        tmp_path: Path, text: dict[str, Path]) -> None:
+    """The GPT's blocks are the fsdp units; activation checkpointing and accumulation over token
+    windows train together on 2 ranks, and both end with the same weights."""
+    ok(run(tmp_path, "run", *GPT, f"data.path={text['train']}", "parallelism.strategy=fsdp",
+           "memory.amp=bf16", "memory.activation_checkpointing=true", "optim.grad_accum_steps=2",
+           "data.batch_size=8", "optim.max_steps=40"))
+    done = summary(tmp_path / "run")
+    assert len(set(done["param_checksum_per_rank"])) == 1 and done["steps"] == 40
+    assert done["tokens_per_rank"] == [s * 64 for s in done["samples_per_rank"]]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["train_loss"] for line in lines if "train_loss" in line]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
 CNN = '''
 import torch
 from torch import nn
