@@ -57,6 +57,16 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle: FakeGpu) -> str:
         return handle.uuid
 
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeGpu:
+        wanted = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for gpu in self.gpus:
+            if gpu.uuid == wanted:
+                return gpu
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetIndex(self, handle: FakeGpu) -> int:
+        return next(i for i, gpu in enumerate(self.gpus) if gpu is handle)
+
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu) -> SimpleNamespace:
         used = self._at(handle.used)
         return SimpleNamespace(used=used, total=handle.total, free=handle.total - used)

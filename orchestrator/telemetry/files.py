@@ -49,14 +49,17 @@ class RankInfo:
     pid: int
     device: int | None  # CUDA ordinal in this rank's own view; None on CPU
     cuda_visible_devices: str | None  # this rank's view, which may differ from the sampler's (gpu-bind)
+    device_uuid: str | None = None  # the device's UUID from CUDA: the sampler finds it in NVML by it
 
 
 def register_rank(run_dir: Path, rank: int, local_rank: int, node: str, device_index: int | None,
-                  environ: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+                  environ: Mapping[str, str] | None = None, pid: int | None = None,
+                  device_uuid: str | None = None) -> None:
     """Each rank at start: write ``telemetry/ranks/rank-<R>.json`` (``pid`` defaults to this process)."""
     env = os.environ if environ is None else environ
     info = RankInfo(rank=rank, local_rank=local_rank, node=node, pid=os.getpid() if pid is None else pid,
-                    device=device_index, cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"))
+                    device=device_index, cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                    device_uuid=device_uuid)
     _write_json_atomic(telemetry_dir(run_dir) / "ranks" / f"rank-{rank}.json", asdict(info))
 
 

@@ -1,14 +1,17 @@
 """NVML, reached only through one :class:`NvmlApi` object, and which GPUs this process sees.
 
 NVML comes from :func:`load_nvml` or is injected by a caller (tests pass a fake). GPU numbers in
-messages are NVML's (``nvidia-smi``'s), which equal CUDA ordinals only when ``CUDA_VISIBLE_DEVICES``
-is unset.
+messages are NVML's (``nvidia-smi``'s). CUDA ordinals are mapped to them by each device's UUID,
+which a training rank reads from CUDA itself: ``CUDA_VISIBLE_DEVICES`` integers are not NVML
+indices under SLURM's ConstrainDevices (a job on physical GPU 5 sees ``0``), and CUDA's default
+FASTEST_FIRST order can differ from NVML's PCI order. The variable is read only where CUDA cannot
+be asked (a Switchyard process around a user's command, which must not start CUDA).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 try:
@@ -26,6 +29,10 @@ class NvmlApi(Protocol):
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: ...
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str | bytes: ...
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any: ...
+
+    def nvmlDeviceGetIndex(self, handle: Any) -> int: ...
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any: ...  # .used .total .free, bytes
 
@@ -55,12 +62,17 @@ def resolve_nvml(nvml: NvmlApi | NvmlChoice | None) -> NvmlApi | None:
     return load_nvml() if nvml == "auto" else nvml
 
 
-def visible_gpus(nvml: NvmlApi, environ: Mapping[str, str]) -> list[int | None]:
-    """NVML index of each CUDA ordinal, in order: ``CUDA_VISIBLE_DEVICES=2,3`` -> ``[2, 3]``.
+def visible_gpus(nvml: NvmlApi, environ: Mapping[str, str],
+                 cuda_uuids: Sequence[str] | None = None) -> list[int | None]:
+    """NVML index of each CUDA ordinal, in order.
 
-    ``None`` marks an entry NVML cannot report on as a whole GPU (a MIG instance). Like CUDA, the
-    list stops at the first entry naming no GPU (``0,-1,1`` -> ``[0]``).
+    With ``cuda_uuids`` (each ordinal's UUID as CUDA reports it, see the module's docstring) each
+    is looked up by UUID. Without, from ``CUDA_VISIBLE_DEVICES``: ``2,3`` -> ``[2, 3]``; like CUDA,
+    the list stops at the first entry naming no GPU (``0,-1,1`` -> ``[0]``). ``None`` marks an
+    ordinal NVML cannot report on as a whole GPU (a MIG instance, or one NVML refuses to show).
     """
+    if cuda_uuids is not None:
+        return [_index_by_uuid(nvml, u) for u in cuda_uuids]
     count = nvml.nvmlDeviceGetCount()
     spec = environ.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
@@ -80,6 +92,17 @@ def visible_gpus(nvml: NvmlApi, environ: Mapping[str, str]) -> list[int | None]:
             break
         result.append(index)
     return result
+
+
+def _index_by_uuid(nvml: NvmlApi, uuid: str) -> int | None:
+    # torch prints a UUID bare (its CUuuid), NVML wants the "GPU-" prefix nvidia-smi shows
+    wanted = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    if wanted.startswith("MIG-"):
+        return None
+    try:
+        return int(nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(wanted)))
+    except NVML_ERRORS:
+        return None  # NO_PERMISSION (a container), a MIG instance's bare UUID: no telemetry for it
 
 
 def _uuids(nvml: NvmlApi, count: int) -> list[str]:

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,12 +58,13 @@ class _RankTable:
 _Sampled = tuple[NvmlApi | None, list[int | None], str]
 
 
-def _gpus_to_sample(nvml: NvmlApi | None, environ: Mapping[str, str]) -> _Sampled:
+def _gpus_to_sample(nvml: NvmlApi | None, environ: Mapping[str, str],
+                    cuda_uuids: Sequence[str] | None) -> _Sampled:
     """NVML, the GPUs this node's job sees, and the info line for CPU mode (NVML absent or failing)."""
     if nvml is None:
         return None, [], CPU_MODE_INFO
     try:
-        return nvml, visible_gpus(nvml, environ), ""
+        return nvml, visible_gpus(nvml, environ, cuda_uuids), ""
     except NVML_ERRORS as e:
         return None, [], CPU_MODE_INFO.replace("no NVIDIA driver", f"NVML cannot list GPUs: {e}")
 
@@ -80,7 +81,10 @@ class MemorySampler:
 
     def __init__(self, run_dir: Path, node: str, interval_s: float = DEFAULT_INTERVAL_S,
                  nvml: NvmlApi | NvmlChoice | None = "auto",
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None,
+                 cuda_uuids: Sequence[str] | None = None) -> None:
+        """``cuda_uuids``: each CUDA ordinal's UUID from CUDA, where the caller has CUDA (a training
+        rank); without them the GPUs are taken from ``CUDA_VISIBLE_DEVICES`` (see ``nvml``)."""
         if not interval_s > 0:
             raise ValueError(f"telemetry interval_s={interval_s} is invalid: must be > 0 "
                              f"(try interval_s={DEFAULT_INTERVAL_S})")
@@ -88,7 +92,7 @@ class MemorySampler:
         self.node = node
         self.interval_s = interval_s
         env = os.environ if environ is None else environ
-        self._nvml, self._visible, self._cpu_mode_info = _gpus_to_sample(resolve_nvml(nvml), env)
+        self._nvml, self._visible, self._cpu_mode_info = _gpus_to_sample(resolve_nvml(nvml), env, cuda_uuids)
         self._ranks = _RankTable(run_dir, node)
         self._rank_gpu: dict[RankInfo, int | None] = {}
         self._processes: dict[int, psutil.Process] = {}
@@ -174,7 +178,9 @@ class MemorySampler:
         return [self._gpu_record(nvml, i, pid_rank, sorted(own.get(i, []))) for i in indices]
 
     def _own_gpu(self, nvml: NvmlApi, rank: RankInfo) -> int | None:
-        """The NVML index of the rank's device, through the rank's own CUDA_VISIBLE_DEVICES."""
+        """The NVML index of the rank's device: by its UUID, else through its own CUDA_VISIBLE_DEVICES."""
+        if rank not in self._rank_gpu and rank.device_uuid is not None:
+            self._rank_gpu[rank] = visible_gpus(nvml, {}, [rank.device_uuid])[0]
         if rank not in self._rank_gpu:
             spec = rank.cuda_visible_devices
             view = visible_gpus(nvml, {} if spec is None else {"CUDA_VISIBLE_DEVICES": spec})

@@ -56,6 +56,21 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
     return Runtime(env=env, device=device, backend=backend)
 
 
+def cuda_uuids(gpus_per_node: int) -> list[str] | None:
+    """Each visible CUDA device's UUID, in CUDA's order, for telemetry to find it in NVML: CUDA
+    ordinals are not NVML indices (SLURM's ConstrainDevices renumbers from 0, and CUDA's default
+    order is fastest first, NVML's is PCI bus order). None on CPU or without CUDA."""
+    if gpus_per_node == 0 or not torch.cuda.is_available():
+        return None
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def device_uuid(uuids: list[str] | None, device_index: int | None) -> str | None:
+    if uuids is None or device_index is None or not 0 <= device_index < len(uuids):
+        return None
+    return uuids[device_index]
+
+
 def _select_device(env: DistEnv, parallelism: ParallelismConfig, device_index: int | None
                    ) -> torch.device:
     if parallelism.gpus_per_node == 0:

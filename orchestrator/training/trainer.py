@@ -744,12 +744,14 @@ def before_rendezvous(env: dist_env.DistEnv, run: Path) -> Iterator[None]:
 
 
 def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.DistEnv) -> dict[str, Any]:
-    report = preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size)
+    uuids = runtime.cuda_uuids(cfg.parallelism.gpus_per_node)  # NVML finds the GPUs by UUID
+    report = preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size, cuda_uuids=uuids)
     print(report.describe(), flush=True)
-    register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)
+    register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index,
+                  device_uuid=runtime.device_uuid(uuids, report.device_index))
     if env.is_main:
         clear_end_summary(run)
-    sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s) \
+    sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s, cuda_uuids=uuids) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pynvml
 import pytest
 from fake_nvml import NO_ENV, FakeGpu, FakeNvml
 
@@ -100,3 +101,62 @@ def test_load_nvml_is_none_without_the_driver() -> None:
     if Path("/proc/driver/nvidia").exists():
         pytest.skip("this machine has NVIDIA's driver")
     assert load_nvml() is None
+
+
+def bare(uuid: str) -> str:
+    return uuid.removeprefix("GPU-")  # torch's CUuuid prints without NVML's prefix
+
+
+def test_constrained_job_maps_its_cuda_0_to_its_own_gpu_by_uuid() -> None:
+    """SLURM's ConstrainDevices: the job holds physical GPU 2, and CUDA_VISIBLE_DEVICES says "0".
+    Taken as an NVML index, "0" is another job's GPU; the UUID CUDA reports finds the right one."""
+    fake = four_free_gpus()
+    fake.gpus[0].used = [60 * GIB]  # the other job's GPU: its memory must not be reported as ours
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    uuids = [bare(fake.gpus[2].uuid)]
+    assert visible_gpus(fake, env, uuids) == [2]
+    report = preflight(1, local_rank=0, local_world_size=1, nvml=fake, environ=env, cuda_uuids=uuids)
+    assert (report.device_index, report.device_nvml_index) == (0, 2)
+    assert [g.index for g in report.gpus] == [2] and report.warnings == ()
+
+
+def test_cuda_fastest_first_order_differs_from_nvml_pci_order() -> None:
+    fake = four_free_gpus()
+    cuda_order = [3, 1, 0, 2]  # CUDA_DEVICE_ORDER=FASTEST_FIRST on a mixed box
+    uuids = [fake.gpus[i].uuid for i in cuda_order]
+    assert visible_gpus(fake, NO_ENV, uuids) == cuda_order
+    report = preflight(4, local_rank=1, local_world_size=4, nvml=fake, environ=NO_ENV, cuda_uuids=uuids)
+    assert (report.device_index, report.device_nvml_index) == (1, 1)
+    report = preflight(4, local_rank=0, local_world_size=4, nvml=fake, environ=NO_ENV, cuda_uuids=uuids)
+    assert (report.device_index, report.device_nvml_index) == (0, 3)
+
+
+class DeniedNvml(FakeNvml):
+    """NVML in a container without the utility capability: every query about a GPU is refused."""
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeGpu:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+
+def test_nvml_no_permission_is_a_warning_and_the_rank_goes_on() -> None:
+    fake = DeniedNvml([FakeGpu(used=[0], util=[0]) for _ in range(2)])
+    uuids = [g.uuid for g in fake.gpus]
+    report = preflight(2, local_rank=1, local_world_size=2, nvml=fake, environ=NO_ENV, cuda_uuids=uuids)
+    assert (report.device_index, report.device_nvml_index, report.gpus) == (1, None, ())
+    assert "not shown by NVML" in report.describe()
+    # without CUDA's UUIDs (a Switchyard process around a user's command): the listing is refused
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(uuids)}
+    report = preflight(2, local_rank=1, local_world_size=2, nvml=fake, environ=env)
+    assert report.device_index == 1 and report.warnings[0].startswith("NVML refused to list this node's GPUs")
+    # the memory query alone refused: that GPU is named, the rank goes on
+    fake = four_free_gpus()
+
+    def refuse(handle: FakeGpu) -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    fake.nvmlDeviceGetMemoryInfo = refuse  # type: ignore[assignment,method-assign]
+    report = preflight(4, local_rank=0, local_world_size=4, nvml=fake, environ=NO_ENV)
+    assert report.gpus == () and report.warnings[0].startswith("GPU 0: NVML refused its memory")

@@ -114,3 +114,17 @@ def test_truncated_last_line_is_skipped(tmp_path: Path) -> None:
 def test_interval_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"interval_s=0 is invalid: must be > 0 \(try interval_s=5.0\)"):
         MemorySampler(tmp_path, "n1", interval_s=0, nvml=None)
+
+
+def test_sampler_finds_each_ranks_gpu_by_cuda_uuid_not_by_ordinal(tmp_path: Path) -> None:
+    """ConstrainDevices: the job holds NVML GPUs 1 and 3 and sees them as "0,1". Read as NVML
+    indices those are GPUs 0 and 1, another job's; the UUIDs CUDA reports name 1 and 3."""
+    fake = FakeNvml([busy(10, 1) for _ in range(4)])
+    env = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    uuids = [fake.gpus[1].uuid.removeprefix("GPU-"), fake.gpus[3].uuid.removeprefix("GPU-")]
+    for rank in (0, 1):
+        register_rank(tmp_path, rank, rank, "n1", rank, environ=env, pid=PIDS[rank], device_uuid=uuids[rank])
+    sampler = MemorySampler(tmp_path, "n1", nvml=fake, environ=env, cuda_uuids=uuids)
+    record = sampler.sample_once()
+    sampler.stop()
+    assert [(g["index"], g["cuda"], g["ranks"]) for g in record["gpus"]] == [(1, 0, [0]), (3, 1, [1])]
