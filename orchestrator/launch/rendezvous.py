@@ -105,9 +105,11 @@ def start_store(env: DistEnv, rdzv_dir: Path, timeout_s: float) -> dist.TCPStore
                               f"{endpoint.host}:{endpoint.port} within {timeout_s:.0f} s: {e}") from e
 
 
-def choose_backend(requested: str) -> str:
+def choose_backend(requested: str, device: torch.device | None) -> str:
+    """``auto``: nccl for a rank on a CUDA device, else gloo. Decided by the rank's device, not by
+    ``torch.cuda.is_available()``: a CPU run (``gpus_per_node=0``) on a GPU machine is gloo."""
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if device is not None and device.type == "cuda" else "gloo"
     return requested
 
 
@@ -132,7 +134,7 @@ def init_process_group(env: DistEnv, rdzv_dir: Path, *, backend: str = "auto",
     On GPU the caller sets the device from the local rank first (see ``orchestrator.training.runtime``)
     and passes it as ``device``: NCCL's communicator is bound to it, never to GPU 0 for every rank.
     """
-    chosen = choose_backend(backend)
+    chosen = choose_backend(backend, device)
     store = start_store(env, rdzv_dir, rendezvous_timeout_s)
     dist.init_process_group(group_backend(chosen), store=store, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s),

@@ -6,11 +6,15 @@ mistake it guards against; ``make gpu-check`` runs the real thing on a GPU node.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.launch import rendezvous
+from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime
 
 
@@ -26,3 +30,25 @@ def test_cuda_uuids_are_read_from_cuda_in_its_order(monkeypatch: pytest.MonkeyPa
     assert runtime.cuda_uuids(gpus_per_node=0) is None  # a CPU run never starts CUDA
     assert runtime.device_uuid(["cccc", "aaaa"], 1) == "aaaa"
     assert runtime.device_uuid(None, 1) is None and runtime.device_uuid(["cccc"], None) is None
+
+
+def single_env(job_id: str) -> DistEnv:
+    return DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                   master_addr="127.0.0.1", hostname="localhost", job_id=job_id, restart_count=0,
+                   source="local")
+
+
+def test_auto_backend_of_a_cpu_run_on_a_gpu_machine_is_gloo(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """gpus_per_node=0 on a node with GPUs: auto used to pick nccl because CUDA was available."""
+    fake_gpus(monkeypatch, ["aaaa", "bbbb"])
+    assert rendezvous.choose_backend("auto", torch.device("cpu")) == "gloo"
+    assert rendezvous.choose_backend("auto", None) == "gloo"
+    assert rendezvous.choose_backend("auto", torch.device("cuda", 1)) == "nccl"
+    assert rendezvous.choose_backend("gloo", torch.device("cuda", 1)) == "gloo"
+    rt = runtime.start(single_env("cpu-on-gpu"), ParallelismConfig(gpus_per_node=0), ClusterConfig(),
+                       tmp_path / "rdzv")
+    try:
+        assert (rt.device, rt.backend) == (torch.device("cpu"), "gloo")
+    finally:
+        runtime.stop()
