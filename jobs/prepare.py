@@ -214,7 +214,7 @@ def check_keys_apply(kind: str, cfg: PrepareConfig) -> None:
 
 
 def _num_workers(requested: int) -> int:
-    return requested if requested > 0 else min(4, os.cpu_count() or 1)
+    return requested if requested > 0 else min(4, len(os.sched_getaffinity(0)))  # the task's cpuset
 
 
 # ------------------------------------------------------------------------------------------------

@@ -47,13 +47,20 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
     """``device_index``: the CUDA ordinal preflight chose (``cuda:0`` when SLURM binds one GPU per
     task), else the local rank."""
     device = _select_device(env, parallelism, device_index)
-    # Ranks sharing a node share its cores: without a budget each would start one thread per core.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    torch.set_num_threads(thread_budget(env.local_world_size))
     backend = rendezvous.init_process_group(
         env, rdzv_dir, backend=parallelism.backend, device=device,
         rendezvous_timeout_s=cluster.rendezvous_timeout_s,
         collective_timeout_s=cluster.collective_timeout_s)
     return Runtime(env=env, device=device, backend=backend)
+
+
+def thread_budget(local_world_size: int) -> int:
+    """Threads per rank: the cores this task may run on, shared by the node's ranks. Without a
+    budget each rank would start one thread per core. The cores are the task's cpuset (SLURM's
+    --cpus-per-task, taskset), not ``os.cpu_count()``, which counts the whole node: on a 128-core
+    node 8 ranks would start 16 threads each, 128 threads switching on 16 allowed cores."""
+    return max(1, len(os.sched_getaffinity(0)) // max(local_world_size, 1))
 
 
 def cuda_uuids(gpus_per_node: int) -> list[str] | None:

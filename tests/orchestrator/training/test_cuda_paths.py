@@ -6,6 +6,7 @@ mistake it guards against; ``make gpu-check`` runs the real thing on a GPU node.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,3 +53,23 @@ def test_auto_backend_of_a_cpu_run_on_a_gpu_machine_is_gloo(monkeypatch: pytest.
         assert (rt.device, rt.backend) == (torch.device("cpu"), "gloo")
     finally:
         runtime.stop()
+
+
+def test_thread_budget_is_the_tasks_cpuset_not_the_nodes_cores(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """SLURM gave the task 4 of the node's 128 cores (--cpus-per-task=4): its ranks share those 4."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})
+    assert [runtime.thread_budget(n) for n in (1, 2, 8)] == [4, 2, 1]
+    from jobs import prepare  # its default worker count reads the same cpuset
+    assert prepare._num_workers(0) == 4 and prepare._num_workers(7) == 7
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    before = torch.get_num_threads()
+    rt = runtime.start(single_env("one-core"), ParallelismConfig(gpus_per_node=0), ClusterConfig(),
+                       tmp_path / "rdzv")
+    try:
+        assert torch.get_num_threads() == 1
+    finally:
+        runtime.stop()
+        torch.set_num_threads(before)
+    assert rt.backend == "gloo"
