@@ -27,6 +27,10 @@ DEFAULT_INTERVAL_S = 5.0  # one sample costs well under a millisecond; 5 s still
 # read every sample; each rank's USS is read again only after 100x its last read's cost has passed.
 USS_MAX_DUTY_FRACTION = 0.01
 
+# How long stop() waits for a sample in progress: one takes well under a millisecond, so only a
+# stuck NVML call (a GPU fallen off the bus) comes near it.
+STOP_TIMEOUT_S = 10.0
+
 CPU_MODE_INFO = "GPU telemetry off (no NVIDIA driver): recording CPU memory per rank instead"
 
 
@@ -114,14 +118,23 @@ class MemorySampler:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop the thread, take one last sample (the end of the run), close the file. Idempotent."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the thread, take one last sample (the end of the run), close the file. Idempotent.
+
+        A thread still sampling after ``timeout_s`` is left behind (it is a daemon) with a warning:
+        an NVML call stuck on a failed GPU must not hold rank 0 back from the final barrier, where
+        every other rank would wait for it until the collective timeout."""
         if self._stopped:
             return
         self._stopped = True
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                print(f"memory sampler on {self.node}: its sample did not return within {timeout_s:g} s "
+                      f"(an NVML call stuck on a failed GPU? nvidia-smi on {self.node} shows it): going "
+                      f"on without the last sample", flush=True)
+                return  # the stuck thread still owns the file; the process's exit closes it
             self._thread = None
         self._sample_safely()
         if self._file is not None:

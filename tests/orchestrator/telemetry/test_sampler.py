@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -128,3 +129,26 @@ def test_sampler_finds_each_ranks_gpu_by_cuda_uuid_not_by_ordinal(tmp_path: Path
     record = sampler.sample_once()
     sampler.stop()
     assert [(g["index"], g["cuda"], g["ranks"]) for g in record["gpus"]] == [(1, 0, [0]), (3, 1, [1])]
+
+
+def test_stop_gives_up_on_a_sample_stuck_in_nvml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU fallen off the bus: the NVML call never returns. stop() must still return, or rank 0
+    never reaches the final barrier."""
+    fake = FakeNvml([busy(10, 1)])
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang(handle: FakeGpu) -> SimpleNamespace:
+        stuck.set()
+        release.wait(30)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    fake.nvmlDeviceGetMemoryInfo = hang  # type: ignore[method-assign]
+    sampler = MemorySampler(tmp_path, "n1", interval_s=0.01, nvml=fake, environ=NO_ENV).start()
+    try:
+        assert stuck.wait(10)
+        start = time.monotonic()
+        sampler.stop(timeout_s=0.2)
+        assert time.monotonic() - start < 5
+        assert "its sample did not return within 0.2 s" in capsys.readouterr().out
+    finally:
+        release.set()
