@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,22 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
         rendezvous_timeout_s=cluster.rendezvous_timeout_s,
         collective_timeout_s=cluster.collective_timeout_s)
     return Runtime(env=env, device=device, backend=backend)
+
+
+# cuBLAS's deterministic workspace: 8 buffers of 4 MiB (":16:8", 8 of 16 KiB, is slower)
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def enable_determinism(environ: MutableMapping[str, str] | None = None) -> None:
+    """``deterministic=true``: torch's deterministic algorithms, and the cuBLAS workspace they need.
+
+    On CUDA, torch raises at the first matmul under ``use_deterministic_algorithms(True)`` unless
+    ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``; cuBLAS reads it when the rank first
+    creates a handle, so call this before the rank touches CUDA. A value the user set is kept.
+    """
+    env = os.environ if environ is None else environ
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
 
 
 def thread_budget(local_world_size: int) -> int:

@@ -744,6 +744,8 @@ def before_rendezvous(env: dist_env.DistEnv, run: Path) -> Iterator[None]:
 
 
 def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.DistEnv) -> dict[str, Any]:
+    if cfg.deterministic:  # first: cuBLAS takes its workspace setting when the rank first uses CUDA
+        runtime.enable_determinism()
     uuids = runtime.cuda_uuids(cfg.parallelism.gpus_per_node)  # NVML finds the GPUs by UUID
     report = preflight(cfg.parallelism.gpus_per_node, env.local_rank, env.local_world_size, cuda_uuids=uuids)
     print(report.describe(), flush=True)
@@ -756,8 +758,6 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
         with pulse:
             with sampler or contextlib.nullcontext():
                 rank_trainer = Trainer(cfg, paths, run, rt, pulse)

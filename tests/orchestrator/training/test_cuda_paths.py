@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 
-from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.config import ClusterConfig, MlpConfig, ParallelismConfig, TrainConfig
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
-from orchestrator.training import runtime
+from orchestrator.training import runtime, trainer
+from orchestrator.training.trainer import DataPaths
 
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, uuids: list[str]) -> None:
@@ -73,3 +75,44 @@ def test_thread_budget_is_the_tasks_cpuset_not_the_nodes_cores(monkeypatch: pyte
         runtime.stop()
         torch.set_num_threads(before)
     assert rt.backend == "gloo"
+
+
+class ReachedCuda(Exception):
+    """Raised by a fake at the rank's first CUDA call: the test has seen what it needs."""
+
+
+def test_deterministic_sets_the_cublas_workspace_before_the_rank_touches_cuda(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """deterministic=true on CUDA raised at the first matmul: CUBLAS_WORKSPACE_CONFIG was unset."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen: dict[str, str | None] = {}
+
+    def first_cuda_call(gpus_per_node: int) -> list[str]:
+        seen["at_first_cuda_call"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        seen["deterministic"] = str(torch.are_deterministic_algorithms_enabled())
+        raise ReachedCuda
+
+    monkeypatch.setattr(runtime, "cuda_uuids", first_cuda_call)
+    cfg = TrainConfig(model=MlpConfig(), deterministic=True, parallelism=ParallelismConfig(gpus_per_node=1))
+    try:
+        with pytest.raises(ReachedCuda):
+            trainer._train_rank(cfg, cast(DataPaths, None), tmp_path, single_env("det"))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen == {"at_first_cuda_call": ":4096:8", "deterministic": "True"}
+
+
+def test_a_cublas_workspace_the_user_set_is_kept() -> None:
+    environ = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    try:
+        runtime.enable_determinism(environ)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert environ == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    empty: dict[str, str] = {}
+    try:
+        runtime.enable_determinism(empty)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert empty == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
