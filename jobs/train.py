@@ -155,6 +155,10 @@ def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[s
     the checkpoint notes itself when it resumed."""
     for warning in summary.get("checkpoint_warnings") or [] if notes else []:  # also in summary.json
         print(f"warning: {warning}", file=sys.stderr)
+    skipped = summary.get("skipped_nonfinite_steps") or []
+    if skipped:  # also in summary.json; each rank's log has a line per step
+        print(f"warning: {len(skipped)} step(s) had a NaN or infinite loss or gradient and were "
+              f"skipped (optim.on_nonfinite=skip): steps {skipped[:10]}", file=sys.stderr)
     if notes and summary.get("resumed_from"):
         print(f"resumed from {summary['resumed_from']['path']} at step {summary['resumed_from']['step']}")
     print(f"summary: {run_dir / 'summary.json'}")

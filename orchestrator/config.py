@@ -305,6 +305,7 @@ class PrepareConfig:
 AMP_MODES = ("none", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
+ON_NONFINITE = ("stop", "skip")
 POLICIES = ("pad", "drop")
 
 
@@ -426,6 +427,11 @@ class OptimConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP syncs only on the last
     clip_grad_norm: float = 0.0  # 0: no clipping
     max_steps: int = 200  # optimizer steps
+    # A step whose loss is NaN or infinite on any rank. stop: the run fails naming the step, and no
+    # checkpoint of the weights it made is written (checked at log steps and before each checkpoint,
+    # with no host read on other steps). skip: that step's update is skipped on every rank (one
+    # host read per step), and the run fails once log_every_steps steps in a row were skipped.
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         check_floats(self, "optim.")
@@ -434,6 +440,9 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise invalid("optim.schedule", self.schedule, f"choose one of {SCHEDULES}",
                           "optim.schedule=constant")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise invalid("optim.on_nonfinite", self.on_nonfinite, f"choose one of {ON_NONFINITE}",
+                          "optim.on_nonfinite=stop")
         if self.lr <= 0:
             raise invalid("optim.lr", self.lr, "must be > 0", "optim.lr=1e-3")
         for key in ("grad_accum_steps", "max_steps"):
@@ -460,6 +469,9 @@ class CheckpointConfig:
     dir: str | None = None  # null: RUN_DIR/checkpoints
     every_steps: int = 0  # 0: only at the end
     keep_last: int = 2
+    # ddp: the loop waits only for a host copy of the state; the write runs in the background.
+    # The save at a preemption or at the end is always blocking and complete before the exit.
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:

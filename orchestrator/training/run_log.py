@@ -102,7 +102,8 @@ class RunLog:
         tagged = {TAGS.get(k, k): v for k, v in values.items()}
         if self.tensorboard is not None:
             for tag, value in tagged.items():
-                self.tensorboard.add_scalar(tag, value, step)
+                if value is not None:  # a NaN loss arrives as None (strict JSON); TensorBoard raised
+                    self.tensorboard.add_scalar(tag, value, step)
             self.tensorboard.flush()  # a log step is rare: a kill -9 loses nothing logged
         if self.wandb is not None:
             self.wandb.log(tagged, step=step)

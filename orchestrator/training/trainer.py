@@ -56,6 +56,11 @@ from sharding.sampler import ShardedSampler
 from sharding.windows import window_loader
 
 Batch = dict[str, torch.Tensor]
+NO_STEP = 2**62  # Trainer.first_nonfinite while every step's loss was finite
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss was NaN or infinite (``optim.on_nonfinite``)."""
 
 
 @dataclass(frozen=True)
@@ -416,6 +421,12 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None  # of the last step that asked for it
         self.peaks = WindowPeaks(rt.device)
         self.saved_step = -1  # the step of the newest checkpoint this run wrote or loaded
+        # on_nonfinite=stop: the first step whose loss was NaN or infinite on this rank, kept on
+        # the device (no host read per step) and read where the host syncs anyway: log steps and
+        # checkpoints. on_nonfinite=skip: the steps skipped, and how many in a row.
+        self.first_nonfinite = torch.full((), NO_STEP, dtype=torch.int64, device=rt.device)
+        self.skipped_steps: list[int] = []
+        self.skipped_in_a_row = 0
         self.eval_metrics: dict[str, float] = {}  # of the last evaluation
 
     def make_loader(self, ds: ShardedDataset, train: bool) -> tuple[ShardedSampler, Any]:
@@ -485,20 +496,79 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             self.grad_norm = self.strategy.global_norm(torch.nn.utils.get_total_norm(grads).detach())
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if self.update_allowed(sums):
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            sums = new_sums(sums.device)  # a skipped step trained on nothing and logs nothing
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         self.step += 1
+        if self.cfg.optim.on_nonfinite == "stop":
+            self.first_nonfinite.masked_fill_(
+                ~torch.isfinite(sums[0]) & (self.first_nonfinite == NO_STEP), self.step)
         self.units += sums[1].to(torch.int64)
         self.real_samples += sums[2].to(torch.int64)
         return sums
+
+    def update_allowed(self, sums: torch.Tensor) -> bool:
+        """optim.on_nonfinite=skip: whether this step's loss, and its gradients, are finite on every
+        rank (one all-reduced flag, read on the host: skip's cost per step). A grad scaler (fp16)
+        handles its own overflowing gradients by lowering the scale, so with one only the loss
+        counts here. stop: always (``check_finite`` reads the flag later)."""
+        if self.cfg.optim.on_nonfinite != "skip":
+            return True
+        bad = ~torch.isfinite(sums[0])
+        if not self.scaler.is_enabled():
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = self.strategy.global_norm(torch.nn.utils.get_total_norm(grads).detach())
+            bad = bad | ~torch.isfinite(norm)
+        flag = bad.to(torch.int64).reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if not flag.item():
+            self.skipped_in_a_row = 0
+            return True
+        self.note_skipped(self.step + 1)
+        if self.scaler.is_enabled():  # no scaler.step: update() would find no inf check recorded
+            self.scaler.update(self.scaler.get_scale())
+        return False
+
+    def note_skipped(self, step: int) -> None:
+        self.skipped_steps.append(step)
+        self.skipped_in_a_row += 1
+        if self.rt.is_main:
+            print(f"warning: step {step}: the loss or a gradient is NaN or infinite on some rank; its "
+                  f"update was skipped (optim.on_nonfinite=skip)", flush=True)
+        if self.skipped_in_a_row >= self.cfg.log_every_steps:  # the model no longer trains
+            raise NonFiniteLossError(
+                f"the last {self.skipped_in_a_row} steps (to step {step}) all had a NaN or infinite "
+                f"loss or gradient and were skipped (optim.on_nonfinite=skip): the model no longer "
+                f"trains. {self.nonfinite_advice()}")
+
+    def check_finite(self) -> None:
+        """optim.on_nonfinite=stop: fail on every rank, naming the first step whose loss was NaN
+        or infinite on any rank. A collective and one host read: log steps and checkpoints only."""
+        first = self.first_nonfinite.clone()
+        torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+        step = int(first.item())
+        if step == NO_STEP:
+            return
+        saved = f"step {self.saved_step}" if self.saved_step > 0 else "none"
+        raise NonFiniteLossError(
+            f"the training loss was NaN or infinite at step {step} (optim.on_nonfinite=stop): the run "
+            f"stopped at step {self.step} without checkpointing the weights those steps made "
+            f"(newest checkpoint: {saved}, in {self.checkpoint_dir}). {self.nonfinite_advice()}")
+
+    def nonfinite_advice(self) -> str:
+        return (f"Try a lower optim.lr (now {self.cfg.optim.lr}), optim.clip_grad_norm=1.0, or check "
+                f"the data for NaN; optim.on_nonfinite=skip skips such steps instead")
 
     def save_checkpoint(self) -> None:
         """ddp: rank 0 writes one file (atomically) while the others wait; fsdp: every rank writes
         its shards. RNG states come from every rank. A step already saved is not written again."""
         if self.saved_step == self.step:
             return
+        self.check_finite()  # never a checkpoint of NaN weights as the newest good state
         self.mark("checkpoint")
         per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
                                             "units": int(self.units), "batches": self.batches_seen})
@@ -641,6 +711,7 @@ class Trainer:
                 window.add(self.optimizer_step(stream, want_norm=logs))
                 last = self.step == cfg.optim.max_steps
                 if logs:
+                    self.check_finite()
                     lr = float(self.schedule.get_last_lr()[0])
                     loss, rate = window.close(self.step, lr, self.grad_norm)
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
@@ -697,6 +768,7 @@ class Trainer:
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
+            "skipped_nonfinite_steps": self.skipped_steps,
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
 
