@@ -139,6 +139,8 @@ def write_run_files(run_dir: Path, cfg: RunConfig, spec: rank.CommandSpec, confi
 def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: str
         ) -> list[rank.RankResult] | None:
     if dist_env.inside_launched_job():  # a sweep point's task: this process is one rank
+        if dist_env.detect().is_main:
+            write_run_files(run_dir, cfg, spec_of(cfg), config_yaml)
         return [rank.run_rank(spec_of(cfg), str(run_dir))]
     print(f"run_dir: {run_dir}", flush=True)
     check_before_submit(cfg)

@@ -145,3 +145,21 @@ def test_a_command_sweep_runs_as_a_job_array_and_a_failed_point_resubmits(
     slurm_query.wait_for_terminal_states([retry["slurm_id"]], timeout_s=120)
     final = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)
     assert [(j["state"], j["attempt"]) for j in final["jobs"]] == [("COMPLETED", 1), ("COMPLETED", 2)]
+
+
+def test_a_run_job_not_waited_for_is_cancelled_by_its_slurm_id(
+        tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
+    proc = switchyard(registry, tmp_path, "run", *TWO_NODES, "cluster.wait=false",
+                      f"hydra.run.dir={tmp_path / 'run'}", "--", "sleep", "600")
+    job_id = job_id_of(proc, queued)
+    assert proc.returncode == 0 and "follow it with switchyard status 1/0" in proc.stdout, proc.stderr
+    deadline = time.monotonic() + 120
+    while json.loads(switchyard(registry, tmp_path, "status", job_id, "--json").stdout)["jobs"][0]["state"] \
+            != "RUNNING":
+        assert time.monotonic() < deadline, "the job never ran"
+        time.sleep(0.5)
+    cancelled = switchyard(registry, tmp_path, "cancel", job_id, "--json")
+    assert json.loads(cancelled.stdout)["slurm_ids"] == [job_id], cancelled.stderr
+    assert slurm_query.wait_for_terminal_states([job_id], timeout_s=60)[job_id] == "CANCELLED"
+    (job,) = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)["jobs"]
+    assert job["state"] == "CANCELLED"

@@ -26,6 +26,7 @@ def test_a_command_sweep_runs_each_point_with_its_value_and_records_the_sweep(tm
     assert status["sweep"]["command"] == f"+lr=0.1,0.3 -- {sys.executable} train.py --lr '${{lr}}'"
     assert [(j["overrides"], j["state"]) for j in status["jobs"]] == \
         [(["+lr=0.1"], "COMPLETED"), (["+lr=0.3"], "COMPLETED")]
+    assert (tmp_path / "sweep" / "1" / "command.sh").read_text().endswith("train.py --lr 0.3\n")
     logs = subprocess.run([sys.executable, "-m", "orchestrator.cli", "logs", "1/1", "--rank", "1"], env=env,
                           capture_output=True, text=True, check=True).stdout
     assert "rank 1/2 lr=0.3" in logs

@@ -1,0 +1,29 @@
+"""A single local jobs.train run enters the registry like a sweep of one job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_a_single_local_train_run_is_in_switchyard_status(tmp_path: Path) -> None:
+    env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "optim.max_steps=4", "log_every_steps=2",
+                           "data.demo_num_samples=256", f"data.cache_dir={tmp_path / 'cache'}",
+                           f"hydra.run.dir={run_dir}"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "job: 1/0" in proc.stdout
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"], env=env,
+                            capture_output=True, text=True, check=True)
+    listed = json.loads(status.stdout)
+    (job,) = listed["jobs"]
+    assert listed["sweep"]["app"] == "train" and listed["sweep"]["executor"] == "local"
+    assert job["state"] == "COMPLETED" and job["run_dir"] == str(run_dir) and job["step"] == 4
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "show", "1/0"], env=env,
+                           capture_output=True, text=True, check=True)
+    assert "max_steps: 4" in shown.stdout
