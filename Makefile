@@ -31,7 +31,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 typecheck: venv
-	$(VENV)/bin/mypy orchestrator sharding jobs
+	$(VENV)/bin/mypy orchestrator sharding jobs switchyard
 
 pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
