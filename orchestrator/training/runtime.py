@@ -116,10 +116,22 @@ def stop() -> None:
 
 
 def seed_everything(seed: int, rank: int) -> None:
-    """Same model init on every rank (seed); per-rank streams for anything random in data/dropout."""
+    """Same model init on every rank (seed); per-rank streams for anything random in data/dropout.
+
+    The model is built on the host, so the CPU generator carries the shared seed; each rank's CUDA
+    generator gets its own (``torch.manual_seed`` alone gives every GPU the same stream, so every
+    rank would draw the same dropout masks). Seeding CUDA is lazy: it never starts CUDA by itself.
+    """
     random.seed(seed + rank)
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed + rank)
+
+
+def uses_cuda() -> bool:
+    """Whether this process has started CUDA: a CPU rank on a GPU machine must not create a CUDA
+    context (hundreds of MiB on GPU 0) just to save or restore a generator it never drew from."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def wrap(model: nn.Module, rt: Runtime) -> DistributedDataParallel:

@@ -276,11 +276,18 @@ def evaluate(model: nn.Module, loader: Any, task: Task, amp: str, rt: Runtime
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator this rank draws from; its CUDA device's too (dropout on a GPU draws there),
+    or a resume would not be bit-identical."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if runtime.uses_cuda():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: this rank's own
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and runtime.uses_cuda():  # a CPU resume of a GPU run has no stream to restore
+        torch.cuda.set_rng_state(state["cuda"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
 

@@ -116,3 +116,33 @@ def test_a_cublas_workspace_the_user_set_is_kept() -> None:
     finally:
         torch.use_deterministic_algorithms(False)
     assert empty == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def test_each_rank_seeds_its_own_cuda_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.manual_seed alone gave every GPU the same stream: every rank drew the same dropout masks."""
+    seeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    state = torch.get_rng_state()
+    try:
+        runtime.seed_everything(7, rank=0)
+        host_0, cuda_0 = torch.get_rng_state(), seeded[-1]  # the last seed is the one that holds
+        runtime.seed_everything(7, rank=3)
+        assert torch.equal(torch.get_rng_state(), host_0)  # the model's init is the same on every rank
+    finally:
+        torch.set_rng_state(state)
+    assert (cuda_0, seeded[-1]) == (7, 10)
+
+
+def test_checkpointed_rng_holds_the_cuda_stream_on_a_gpu_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout on a GPU draws from the CUDA generator: a resume without it is not bit-identical."""
+    cuda_state = {"now": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    assert "cuda" not in trainer.rng_state()  # a CPU rank never starts CUDA to checkpoint it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: cuda_state["now"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: cuda_state.update(now=s.clone()))
+    saved = trainer.rng_state()
+    assert torch.equal(saved["cuda"], torch.tensor([1, 2, 3], dtype=torch.uint8))
+    cuda_state["now"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # the run drew on
+    trainer.set_rng_state(saved)
+    assert torch.equal(cuda_state["now"], torch.tensor([1, 2, 3], dtype=torch.uint8))
