@@ -34,9 +34,12 @@ def head_size(num_classes: int | None, num_outputs: int | None) -> int:
 
 def masked_mean(h: Tensor, mask: Tensor) -> Tensor:
     """Mean over real rows: h [B, L, D], mask [B, L] -> [B, D]; a sample with 0 rows gives zeros."""
-    weights = mask.to(h.dtype).unsqueeze(-1)  # [B, L, 1]
-    total = (h * weights).sum(dim=1)  # [B, D]
-    return total / weights.sum(dim=1).clamp_min(1.0)
+    weights = mask.to(h.dtype).unsqueeze(-1)  # [B, L, 1], 0/1: exact in any dtype
+    # Summed in float32 whatever h's dtype: bf16 holds integers exactly only up to 256 (257 rows
+    # counted as 256), so fsdp's bf16 parameters would average differently from ddp's float32.
+    total = (h * weights).sum(dim=1, dtype=torch.float32)  # [B, D]
+    count = mask.sum(dim=1, dtype=torch.float32).clamp_min(1.0).unsqueeze(-1)  # [B, 1]
+    return (total / count).to(h.dtype)
 
 
 class _Checkpointable(nn.Module):
