@@ -163,7 +163,7 @@ class ClusterConfig:
         _check_sbatch_value("cluster.constraint", self.constraint, _CONSTRAINT_SAFE)
         _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
         for i, arg in enumerate(self.srun_args):
-            _check_sbatch_value(f"cluster.srun_args[{i}]", arg, _SBATCH_SAFE)
+            srun_option(f"cluster.srun_args[{i}]", arg)
         for i, arg in enumerate(self.sbatch_args):
             sbatch_option(f"cluster.sbatch_args[{i}]", arg)
         if self.dependency is not None and not _DEPENDENCY.match(self.dependency):
@@ -212,6 +212,54 @@ MANAGED_SBATCH = {
     "chdir": "the job itself", "export": "cluster.setup (export lines run before srun)",
 }
 _SBATCH_OPTION = re.compile(r"^--([a-z][a-z0-9-]*)(?:=(.+))?$")
+# srun options that set the job step's shape (how many ranks, on which nodes, with what) or where
+# its output goes: parallelism.* and cluster.* decide them, and every rank trusts that world.
+# srun_args=["--ntasks=1"] started one rank of a world of 4 (issue 27).
+_BY_PARALLELISM = "parallelism.nodes, procs_per_node and gpus_per_node"
+MANAGED_SRUN = {
+    "ntasks": _BY_PARALLELISM, "nodes": _BY_PARALLELISM, "ntasks-per-node": _BY_PARALLELISM,
+    "ntasks-per-socket": _BY_PARALLELISM, "ntasks-per-core": _BY_PARALLELISM,
+    "ntasks-per-gpu": _BY_PARALLELISM, "ntasks-per-tres": _BY_PARALLELISM,
+    "gpus": _BY_PARALLELISM, "gpus-per-node": _BY_PARALLELISM, "gpus-per-socket": _BY_PARALLELISM,
+    "gpus-per-task": _BY_PARALLELISM, "gres": _BY_PARALLELISM, "cpus-per-gpu": "cluster.cpus_per_task",
+    "cpus-per-task": "cluster.cpus_per_task", "mem": "cluster.mem_gb", "mem-per-cpu": "cluster.mem_gb",
+    "mem-per-gpu": "cluster.mem_gb", "distribution": "the rank order (node rank x local rank)",
+    "overcommit": _BY_PARALLELISM, "nodelist": "cluster.exclude or cluster.constraint",
+    "nodefile": "cluster.exclude or cluster.constraint", "exclude": "cluster.exclude",
+    "relative": _BY_PARALLELISM, "het-group": "one homogeneous step",
+    "multi-prog": "the job itself", "kill-on-bad-exit": "its fail-fast rule (a failed rank stops the others)",
+    "output": "the job's directory (its logs are read back)", "error": "the job's directory (its "
+    "logs are read back)", "input": "the job itself", "chdir": "the job itself",
+}
+SRUN_SHORT = {"n": "ntasks", "N": "nodes", "c": "cpus-per-task", "m": "distribution", "O": "overcommit",
+              "G": "gpus", "w": "nodelist", "x": "exclude", "r": "relative", "o": "output", "e": "error",
+              "i": "input", "K": "kill-on-bad-exit", "D": "chdir"}
+# Binds one of the GPUs each node already gives its tasks to each task: the same GPUs, no more
+# (README "Running on GPUs").
+SRUN_BINDINGS = ("--gpus-per-task=1",)
+
+
+def srun_option(key: str, arg: str) -> None:
+    """One ``cluster.srun_args`` item; refused when it would change the job step's shape."""
+    _check_sbatch_value(key, arg, _SBATCH_SAFE)
+    if arg in SRUN_BINDINGS:
+        return
+    if arg.startswith("--"):
+        name: str | None = arg[2:].partition("=")[0]
+    else:  # -n4, -N 2: the letter after the dash
+        name = SRUN_SHORT.get(arg[1:2]) if arg.startswith("-") else None
+    managed = _managed(name, MANAGED_SRUN) if name else None
+    if managed is not None:
+        raise invalid(key, arg, f"Switchyard sets --{managed} on the job step itself, from "
+                      f"{MANAGED_SRUN[managed]}", "that key instead, or drop the item")
+
+
+def _managed(name: str, table: dict[str, str]) -> str | None:
+    """The option of ``table`` that ``name`` means: srun and sbatch take any unambiguous
+    abbreviation (``--ntasks-per-n`` is ``--ntasks-per-node``), so a prefix counts too."""
+    if name in table:
+        return name
+    return next((option for option in table if option.startswith(name)), None)
 
 
 def sbatch_option(key: str, arg: str) -> tuple[str, str | bool]:

@@ -71,3 +71,21 @@ def test_cfg_job_prints_the_resolved_config_without_running() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "_target_: jobs.models.RowTransformer" in proc.stdout and "lr: 0.01" in proc.stdout
     assert "run_dir:" not in proc.stdout  # printing the config submits nothing
+
+
+@pytest.mark.parametrize("arg", ["--ntasks=1", "-n1", "-n", "-N2", "--nodes=1", "--ntasks-per-node=1",
+                                 "--ntasks-per-n=1", "--gpus=1", "--gpus-per-node=1", "-G1",
+                                 "--gpus-per-task=2", "--gres=gpu:1", "--cpus-per-task=2", "-c2",
+                                 "--mem=1G", "--mem-per-cpu=100", "--distribution=cyclic", "-mcyclic",
+                                 "--overcommit", "-O", "--nodelist=n1", "-wn1", "--exclude=n2",
+                                 "--kill-on-bad-exit=0", "--output=x.log"])
+def test_srun_args_that_set_the_job_steps_shape_are_refused(arg: str) -> None:
+    """Issue 27: srun_args=["--ntasks=1"] ran one rank of a world the config said was larger."""
+    with pytest.raises(ConfigError, match=r"cluster.srun_args\[1\]=.* is invalid: Switchyard sets --"):
+        ClusterConfig(srun_args=["--cpu-bind=none", arg])
+
+
+@pytest.mark.parametrize("arg", ["--cpu-bind=none", "--gpus-per-task=1", "--label", "-l", "--unbuffered",
+                                 "--gpu-bind=closest", "--mpi=none", "--exclusive"])
+def test_srun_args_that_leave_the_shape_alone_pass(arg: str) -> None:
+    assert ClusterConfig(srun_args=[arg]).srun_args == [arg]
