@@ -13,7 +13,7 @@ import difflib
 import math
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,8 +164,7 @@ class ClusterConfig:
         _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
         for i, arg in enumerate(self.srun_args):
             srun_option(f"cluster.srun_args[{i}]", arg)
-        for i, arg in enumerate(self.sbatch_args):
-            sbatch_option(f"cluster.sbatch_args[{i}]", arg)
+        check_sbatch_args(self.sbatch_args)
         if self.dependency is not None and not _DEPENDENCY.match(self.dependency):
             raise invalid("cluster.dependency", self.dependency, "not an sbatch dependency: TYPE:JOBID"
                           "[:JOBID...] joined by ',' (all) or '?' (any), TYPE one of after, afterany, "
@@ -211,6 +210,22 @@ MANAGED_SBATCH = {
     "requeue": "cluster.max_requeues", "no-requeue": "cluster.max_requeues",
     "chdir": "the job itself", "export": "cluster.setup (export lines run before srun)",
 }
+# sbatch options that change sbatch's own behaviour rather than the job's: (what went wrong, fix).
+SBATCH_BEHAVIOUR = {
+    "parsable": ("its answer is no longer 'Submitted batch job N', so a queued job was reported as "
+                 "refused", "drop it; Switchyard prints the job id"),
+    "wait": ("sbatch blocks until the job ends, whatever cluster.wait says", "cluster.wait=true"),
+    "hold": ("the job is queued held and would never start on its own", "drop it; queue it later, "
+             "or cluster.dependency=afterok:JOBID to start after another job"),
+    "test-only": ("nothing is queued, and Switchyard already runs sbatch --test-only before "
+                  "submitting", "cluster.dry_run=true to see the script"),
+    "quiet": ("sbatch no longer prints the job id Switchyard reads", "drop it"),
+    "clusters": ("the job lands on another cluster, where squeue, sacct and scancel do not look",
+                 "run Switchyard on that cluster's login node"),
+    "help": ("sbatch prints its help and queues nothing", "drop it"),
+    "usage": ("sbatch prints its usage and queues nothing", "drop it"),
+    "version": ("sbatch prints its version and queues nothing", "drop it"),
+}
 _SBATCH_OPTION = re.compile(r"^--([a-z][a-z0-9-]*)(?:=(.+))?$")
 # srun options that set the job step's shape (how many ranks, on which nodes, with what) or where
 # its output goes: parallelism.* and cluster.* decide them, and every rank trusts that world.
@@ -254,7 +269,7 @@ def srun_option(key: str, arg: str) -> None:
                       f"{MANAGED_SRUN[managed]}", "that key instead, or drop the item")
 
 
-def _managed(name: str, table: dict[str, str]) -> str | None:
+def _managed(name: str, table: Mapping[str, object]) -> str | None:
     """The option of ``table`` that ``name`` means: srun and sbatch take any unambiguous
     abbreviation (``--ntasks-per-n`` is ``--ntasks-per-node``), so a prefix counts too."""
     if name in table:
@@ -270,10 +285,29 @@ def sbatch_option(key: str, arg: str) -> tuple[str, str | bool]:
         raise invalid(key, arg, "write each option in its long form, --name=value or --name",
                       f"{key}=--mail-type=END")
     name, value = match.group(1), match.group(2)
-    if name in MANAGED_SBATCH:
-        raise invalid(key, arg, f"Switchyard writes --{name} itself, from {MANAGED_SBATCH[name]}",
+    managed = _managed(name, MANAGED_SBATCH)
+    if managed is not None:
+        raise invalid(key, arg, f"Switchyard writes --{managed} itself, from {MANAGED_SBATCH[managed]}",
                       "that key instead")
+    behaviour = _managed(name, SBATCH_BEHAVIOUR)
+    if behaviour is not None:
+        why, fix = SBATCH_BEHAVIOUR[behaviour]
+        raise invalid(key, arg, f"--{behaviour} changes how sbatch itself behaves, and Switchyard runs "
+                      f"sbatch and reads its answer: {why}", fix)
     return name, True if value is None else value
+
+
+def check_sbatch_args(args: list[str]) -> None:
+    """Each item of ``cluster.sbatch_args``, and no option twice: submitit keeps one value per
+    option, so the other was dropped without a word."""
+    seen: dict[str, int] = {}
+    for i, arg in enumerate(args):
+        name, _ = sbatch_option(f"cluster.sbatch_args[{i}]", arg)
+        if name in seen:
+            raise invalid(f"cluster.sbatch_args[{i}]", arg, f"--{name} is already given by "
+                          f"cluster.sbatch_args[{seen[name]}]={args[seen[name]]!r}, and only one would "
+                          f"reach the script", "one item per option")
+        seen[name] = i
 
 
 def _check_sbatch_value(key: str, value: str | None, allowed: re.Pattern[str]) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_module
 
@@ -89,3 +91,28 @@ def test_srun_args_that_set_the_job_steps_shape_are_refused(arg: str) -> None:
                                  "--gpu-bind=closest", "--mpi=none", "--exclusive"])
 def test_srun_args_that_leave_the_shape_alone_pass(arg: str) -> None:
     assert ClusterConfig(srun_args=[arg]).srun_args == [arg]
+
+
+@pytest.mark.parametrize(("arg", "fix"), [
+    ("--parsable", "Switchyard prints the job id"), ("--wait", "cluster.wait=true"),
+    ("--hold", "cluster.dependency="), ("--test-only", "cluster.dry_run=true"), ("--quiet", "drop it"),
+    ("--clusters=other", "login node"), ("--pars", "Switchyard prints the job id"),
+])
+def test_sbatch_args_that_change_sbatchs_own_behaviour_are_refused(arg: str, fix: str) -> None:
+    """Issue 27: --wait blocked with cluster.wait=false; with --parsable a queued job was reported
+    as 'sbatch refused the job, nothing was queued'."""
+    with pytest.raises(ConfigError, match=rf"cluster.sbatch_args\[0\]=.* changes how sbatch itself "
+                                          rf"behaves.*\(try .*{re.escape(fix)}"):
+        ClusterConfig(sbatch_args=[arg])
+
+
+def test_an_sbatch_option_given_twice_is_refused() -> None:
+    """Issue 27: the second was dropped without a word."""
+    with pytest.raises(ConfigError, match=r"cluster.sbatch_args\[2\]='--mail-type=ALL' is invalid: "
+                                          r"--mail-type is already given by cluster.sbatch_args\[0\]"):
+        ClusterConfig(sbatch_args=["--mail-type=END", "--mail-user=a@b.c", "--mail-type=ALL"])
+
+
+def test_other_sbatch_args_pass() -> None:
+    args = ["--mail-type=END", "--mail-user=a@b.c", "--wait-all-nodes=1", "--exclusive", "--begin=now+60"]
+    assert ClusterConfig(sbatch_args=args).sbatch_args == args
