@@ -6,9 +6,17 @@ ranks; ``cluster=slurm`` puts the same job on SLURM, ``cluster=debug`` runs it i
 
 from __future__ import annotations
 
+import sys
+
+try:  # first: below torch's floor, the first newer import would be a traceback, not one line
+    import orchestrator.training  # noqa: F401 -- checks torch's version on import
+except ImportError as e:
+    if e.name != "torch":
+        raise
+    sys.exit(f"error: {e}")
+
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
