@@ -101,18 +101,22 @@ def rank_of_function(spec: FunctionSpec, run: Path, env: dist_env.DistEnv) -> It
         if spec.telemetry and env.is_local_main else None
     saved = {k: os.environ.get(k) for k in variables}
     os.environ.update(variables)
-    code = 1
+    code, ended = 1, True
     try:
         with sampler or contextlib.nullcontext():
             yield
         code = 0
+    except SystemExit:  # submitit's requeue after checkpoint() (or the function's own exit)
+        ended = False  # the attempt goes on: a requeued life reports its own start and end
+        raise
     finally:
         _restore(saved)
         rank.mark_done(rdzv, env, code, time.time())
         if env.is_main and code == 0:
             rank.wait_for_ranks(rdzv, env)  # the store stays up until every rank's function returned
-        rank.report_end(run, status, code, None if code == 0 else "the function raised",
-                         telemetry=spec.telemetry and code != 0)
+        if ended:
+            rank.report_end(run, status, code, None if code == 0 else "the function raised",
+                            telemetry=spec.telemetry and code != 0)
         del store
 
 

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -66,7 +66,6 @@ class CommandSpec:
     rendezvous_timeout_s: float
     telemetry: bool = True
     telemetry_interval_s: float = 5.0
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
     print(report.describe(), flush=True)
     rdzv = run / "rendezvous"
     store, endpoint = rank_env.serve_or_find_store(env, rdzv, spec.rendezvous_timeout_s)
-    variables = {**spec.extra_env, **rank_env.rank_variables(env, endpoint, run, spec.max_requeues)}
+    variables = rank_env.rank_variables(env, endpoint, run, spec.max_requeues)
     _record_environment(run, env, variables)
     status = report_start(run, env)
     started = time.monotonic()
@@ -157,11 +156,24 @@ def spawn(spec: CommandSpec, variables: dict[str, str]) -> subprocess.Popen[byte
         raise CommandFailed(f"cannot start {spec.argv[0]!r} in {spec.cwd}: {e}") from e
 
 
+def _libc_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no parent-death signal
+        return None
+
+
+# Looked up here, not in the child: between fork and exec only the call itself runs (rank 0's
+# store thread may hold the loader's or malloc's lock at the fork).
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when this Switchyard process dies (a SIGKILL from srun,
     the OOM killer), so no rank's command outlives the process that reports on it."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def wait(child: subprocess.Popen[bytes], stop: StopRequest, env: dist_env.DistEnv,
@@ -344,6 +356,3 @@ def redirected_signals() -> Iterator[None]:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
 
-
-def spec_json(spec: CommandSpec) -> str:
-    return json.dumps(asdict(spec), indent=1)

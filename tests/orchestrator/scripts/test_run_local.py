@@ -114,3 +114,19 @@ def test_asking_for_a_requeue_outside_slurm_says_how_to_continue(tmp_path: Path)
     assert proc.returncode == 2
     assert "asked to be requeued (exit 75), but only SLURM requeues" in proc.stderr, proc.stderr
     assert f"hydra.run.dir={run_dir}" in proc.stderr
+
+
+def test_a_rank_killed_outright_is_named_with_its_signal(tmp_path: Path) -> None:
+    script = ("import os, signal, time\n"
+              "if os.environ['RANK'] == '1':\n"
+              "    print('rank 1 is about to be killed', flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n"
+              "time.sleep(120)\n")
+    (tmp_path / "killed.py").write_text(script)
+    started = time.monotonic()
+    proc = switchyard_run(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", "--", sys.executable, "killed.py")
+    assert proc.returncode == 2 and time.monotonic() - started < 90
+    assert "rank 1 on node" in proc.stderr
+    assert "was killed by SIGKILL (kill -9, or the OOM killer)" in proc.stderr
+    assert "rank 1 is about to be killed" in proc.stderr
+    assert "ranks [0] were stopped after rank 1 failed" in proc.stderr, proc.stderr
