@@ -163,3 +163,26 @@ def test_a_run_job_not_waited_for_is_cancelled_by_its_slurm_id(
     assert slurm_query.wait_for_terminal_states([job_id], timeout_s=60)[job_id] == "CANCELLED"
     (job,) = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)["jobs"]
     assert job["state"] == "CANCELLED"
+
+
+def test_dry_run_prints_the_sbatch_script_and_queues_nothing(
+        tmp_path: Path, registry: dict[str, str]) -> None:
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    proc = switchyard(registry, tmp_path, "run", "--dry-run", *TWO_NODES, f"hydra.run.dir={tmp_path / 'run'}",
+                      "--", sys.executable, "ddp.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --ntasks-per-node=2" in proc.stdout
+    assert "--kill-on-bad-exit=1" in proc.stdout and "nothing was queued" in proc.stdout
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    assert set(after.split()) <= set(before.split())
+    assert "no sweeps recorded" in switchyard(registry, tmp_path, "status").stdout
+
+
+def test_a_request_slurm_would_never_start_is_refused_naming_the_key(
+        tmp_path: Path, registry: dict[str, str]) -> None:
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    proc = switchyard(registry, tmp_path, "run", "cluster=slurm", "parallelism.nodes=3",
+                      f"hydra.run.dir={tmp_path / 'run'}", "--", sys.executable, "ddp.py")
+    assert proc.returncode == 2
+    assert "parallelism.nodes=3 but partition debug has 2 node(s) (try parallelism.nodes=2)" in proc.stderr
