@@ -50,6 +50,21 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 RUN_USAGE = "switchyard run [--dry-run] [key=value ...] [-m] -- COMMAND [ARG ...]"
+RUN_HELP = f"""usage: {RUN_USAGE}
+
+Run COMMAND as every rank of one job, with the cluster and parallelism groups of jobs.train
+(conf/run.yaml). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT (as torchrun gives them) and SWITCHYARD_RUN_DIR; the job is in `switchyard status`.
+
+examples:
+  switchyard run -- python train.py                                   2 local ranks
+  switchyard run cluster=debug -- python train.py                     1 rank, in this process
+  switchyard run cluster=slurm parallelism.nodes=2 -- python train.py 2 nodes x 2 ranks on SLURM
+  switchyard run --dry-run cluster=slurm -- python train.py           print the sbatch script
+  switchyard run -m cluster=slurm +lr=1e-3,3e-3 -- python train.py --lr '${{lr}}'   a sweep
+
+A script that exits 75 (switchyard.preemption.REQUEUE_EXIT_CODE) after checkpointing is requeued;
+README: "Your own training script"."""
 
 
 def _run(argv: Sequence[str]) -> int:
@@ -62,7 +77,7 @@ def _run(argv: Sequence[str]) -> int:
         return 2
     if "--" not in argv:
         if any(a in ("-h", "--help") for a in argv):
-            print(f"usage: {RUN_USAGE}\n\n{job.__doc__}")
+            print(RUN_HELP)
             return 0
         print(f"switchyard run: error: no command: put it after `--` ({RUN_USAGE})", file=sys.stderr)
         return 2

@@ -130,3 +130,8 @@ def test_a_rank_killed_outright_is_named_with_its_signal(tmp_path: Path) -> None
     assert "was killed by SIGKILL (kill -9, or the OOM killer)" in proc.stderr
     assert "rank 1 is about to be killed" in proc.stderr
     assert "ranks [0] were stopped after rank 1 failed" in proc.stderr, proc.stderr
+
+
+def test_help_names_what_each_rank_receives(tmp_path: Path) -> None:
+    proc = switchyard_run(tmp_path, "--help")
+    assert proc.returncode == 0 and "MASTER_PORT" in proc.stdout and "SWITCHYARD_RUN_DIR" in proc.stdout
