@@ -43,6 +43,23 @@ UNSATISFIABLE = frozenset({
     "AssocMaxWallDurationPerJobLimit",
 })
 
+# Pending reasons no limit explains but that never clear by themselves either: a dependency that can
+# no longer be met (afterok on a job that failed) and a hold that only scontrol release lifts. A
+# job pending for one was waited for in silence, forever. Reason -> what it means.
+NEVER_RELEASED = {
+    "DependencyNeverSatisfied": "its dependency (cluster.dependency) can never be met: a job it waits "
+                                "for ended in a state the dependency excludes",
+    "JobHeldUser": "it is held (scontrol hold, or sbatch --hold) and starts only after scontrol release",
+    "JobHeldAdmin": "an administrator held it, and it starts only after an administrator's scontrol "
+                    "release",
+}
+
+
+def why_never(reason: str) -> str:
+    """What a reason ``never_starts`` returned means, for the user."""
+    return NEVER_RELEASED.get(reason, "its request exceeds a limit of its partition, account or QOS "
+                                      "as they are now")
+
 
 # sbatch's words for a refused value -> the submitit parameters that may hold it, and the fix.
 # Options passed through cluster.sbatch_args and cluster.dependency sit in additional_parameters.
@@ -186,7 +203,7 @@ def never_starts(job_id: str, timeout_s: float = 30) -> str | None:
         return None
     for line in out.splitlines():
         state, _, reason = line.partition("|")
-        if state == "PENDING" and reason.strip() in UNSATISFIABLE:
+        if state == "PENDING" and (reason.strip() in UNSATISFIABLE or reason.strip() in NEVER_RELEASED):
             return reason.strip()
     return None
 

@@ -182,7 +182,8 @@ def submit(executor: submitit.Executor, fn: Callable[..., R], *args: Any, **kwar
 
 def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0) -> None:
     """Wait while a SLURM job is pending; one whose pending reason it can never meet (a limit
-    below its request: ``slurm_request.UNSATISFIABLE``) is cancelled, or left queued with
+    below its request: ``slurm_request.UNSATISFIABLE``; a dependency never satisfied, or a hold:
+    ``NEVER_RELEASED``) is cancelled, or left queued with
     ``cluster.never_starts=keep``, and reported instead of waited for forever."""
     while isinstance(job, submitit.SlurmJob) and job.state in ("PENDING", "UNKNOWN", "REQUEUED"):
         reason = slurm_request.never_starts(str(job.job_id))
@@ -193,8 +194,7 @@ def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0
                 job.cancel(check=False)
                 what = "cancelled it (cluster.never_starts=keep leaves such a job queued)"
             raise SubmissionError(f"job {job.job_id} is pending for a reason it can never meet "
-                                  f"({reason}): its request exceeds a limit of its partition, "
-                                  f"account or QOS as they are now; {what}")
+                                  f"({reason}): {slurm_request.why_never(reason)}; {what}")
         time.sleep(poll_s)
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import submitit
 
-from orchestrator.training.checks import request_keys
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import slurm_query, slurm_request, submit
+from orchestrator.training.checks import request_keys
 
 pytestmark = pytest.mark.slurm
 
@@ -106,6 +106,35 @@ def test_a_job_pending_for_a_reason_it_cannot_meet_is_reported(tmp_path: Path, c
             assert job.job_id in queued(), "keep leaves the job queued"
     finally:
         subprocess.run(["scancel", job.job_id], check=False)
+
+
+def sbatch(*args: str) -> str:
+    return subprocess.run(["sbatch", "--parsable", "--job-name=sy-test-never", *args],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("how", ["dependency", "hold", "uhold"])
+def test_a_job_that_waits_for_what_never_comes_is_reported_and_cancelled(tmp_path: Path, how: str) -> None:
+    """Issue 27: afterok on a failed job (DependencyNeverSatisfied) or a hold (JobHeldUser,
+    JobHeldAdmin) kept the client waiting in silence."""
+    submitted: list[str] = []
+    try:
+        if how == "dependency":
+            submitted.append(sbatch("--wrap=exit 1"))
+            assert slurm_query.wait_for_terminal_states(submitted, timeout_s=60)[submitted[0]] == "FAILED"
+            submitted.append(sbatch(f"--dependency=afterok:{submitted[0]}", "--wrap=true"))
+            reason = r"DependencyNeverSatisfied\): its dependency \(cluster.dependency\) can never be met"
+        else:  # held before it can start (--begin), then held as root (admin) or as its user
+            submitted.append(sbatch("--begin=now+600", "--wrap=true"))
+            subprocess.run(["scontrol", how, submitted[-1]], check=True)
+            reason = r"JobHeld(User|Admin)\): .*held.* scontrol release"
+        job = submitit.SlurmJob(folder=tmp_path, job_id=submitted[-1])
+        with pytest.raises(submit.SubmissionError, match=rf"job {job.job_id} is pending for a reason it "
+                                                         rf"can never meet \({reason}.*; cancelled it"):
+            submit.watch_pending(job, "cancel", poll_s=0.5)
+        assert slurm_query.wait_for_terminal_states([job.job_id], timeout_s=30)[job.job_id] == "CANCELLED"
+    finally:
+        subprocess.run(["scancel", *submitted], check=False)
 
 
 @pytest.mark.parametrize(("text", "minutes"), [("UNLIMITED", None), ("30", 30), ("1-00:00:00", 1440),
