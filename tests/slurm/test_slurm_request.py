@@ -3,8 +3,10 @@ value that fits; one that slipped through is reported while pending, and cancell
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,16 +19,23 @@ from orchestrator.training.checks import request_keys
 pytestmark = pytest.mark.slurm
 
 
-def queued() -> list[str]:
-    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
+def queued(name: str | None = None) -> list[str]:
+    """Job ids in the queue; with ``name``, only this test's (other users queue jobs meanwhile)."""
+    by_name = ["-n", name] if name else []
+    return subprocess.run(["squeue", "-h", "-o", "%i", *by_name], capture_output=True, text=True,
                           check=True).stdout.split()
 
 
+def own_name() -> str:
+    return f"sy-test-{uuid.uuid4().hex[:12]}"
+
+
 def refusal(cluster: ClusterConfig, parallelism: ParallelismConfig) -> str:
-    before = set(queued())
+    name = own_name()
     with pytest.raises(slurm_request.SlurmRequestError) as caught:
-        slurm_request.check(submit.slurm_parameters(cluster, parallelism), request_keys(parallelism))
-    assert set(queued()) <= before, "a refused request must queue nothing"  # others may end meanwhile
+        slurm_request.check(submit.slurm_parameters(dataclasses.replace(cluster, job_name=name),
+                                                    parallelism), request_keys(parallelism))
+    assert queued(name) == [], "a refused request must queue nothing"
     return str(caught.value)
 
 
@@ -59,16 +68,17 @@ def test_a_request_that_fits_passes() -> None:
 
 def test_the_training_job_refuses_before_queueing(tmp_path: Path) -> None:
     """Before: accepted, PENDING (PartitionNodeLimit) forever, the client silent."""
-    before = set(queued())
+    name = own_name()
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=3",
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
+         f"cluster.job_name={name}", f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: SLURM would never start this job, so nothing was queued: "
                                   "parallelism.nodes=3"), proc.stderr
     assert "Traceback" not in proc.stderr and "slurm_job_id" not in proc.stdout
-    assert set(queued()) <= before
+    assert queued(name) == [], "nothing of this test's may be queued"
 
 
 def test_an_sbatch_refusal_is_one_line(tmp_path: Path) -> None:
