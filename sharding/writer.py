@@ -256,8 +256,9 @@ class DatasetWriter:
             # (self.num_bytes counts the open shard's samples too: adding both counted them twice).
             written = sum(s.data_bytes + s.index_bytes for s in self._shards)
             written += self._shard.num_bytes if self._shard else 0
-            self.abort()
-            raise WriteError(_io_message(self.path, e, written)) from e
+            message = _io_message(self.path, e, written)  # the space left at the failure: removing
+            self.abort()  # the partial copy frees it again, and the message then told of room to spare
+            raise WriteError(message) from e
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,6 +98,22 @@ def test_a_full_disk_is_one_error_naming_the_output_and_leaves_nothing(tmp_path:
         assert "free there; nothing was published and the partial copy was removed" in message
         assert "free space on that file system, or choose another output" in message
         assert list(small.iterdir()) == []
+
+
+def test_a_full_disk_reports_the_space_left_when_it_failed_not_after_the_cleanup(tmp_path: Path) -> None:
+    """Issue 27: the free space was measured after the partial copy was removed, so a full 2 MB
+    file system was reported with '2.0 MB free there'."""
+    with small_filesystem(tmp_path / "small", "2m") as small:
+        writer = DatasetWriter(small / "ds", shard_bytes=256 * 1024)
+        with pytest.raises(DatasetError) as caught:
+            for _ in range(1000):
+                writer.append({"x": np.ones((256, 64), np.float32)})
+            writer.close()
+        free = re.search(r", ([\d.]+) ([KMG]?B) free there;", str(caught.value))
+        assert free, str(caught.value)
+        scale = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[free.group(2)]
+        assert float(free.group(1)) * scale < 256 * 1024, \
+            f"reported {free.group(1)} {free.group(2)} free on a full 2 MB file system"
 
 
 def test_prepare_refuses_an_output_too_small_for_the_input_before_writing(tmp_path: Path) -> None:
