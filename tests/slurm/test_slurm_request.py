@@ -119,7 +119,8 @@ def test_a_job_pending_for_a_reason_it_cannot_meet_is_reported(tmp_path: Path, c
 
 
 def sbatch(*args: str) -> str:
-    return subprocess.run(["sbatch", "--parsable", "--job-name=sy-test-never", *args],
+    # --output: a job that runs ('exit 1') would leave slurm-N.out in the working directory
+    return subprocess.run(["sbatch", "--parsable", "--job-name=sy-test-never", "--output=/dev/null", *args],
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
