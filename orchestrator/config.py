@@ -141,6 +141,7 @@ class ClusterConfig:
     comment: str | None = None
     timeout_min: int = 60  # SLURM time limit of each job, in minutes
     mem_gb: float | None = None  # per node; None: the partition's default
+    gpu_mem_gb: float | None = None  # GiB of each GPU, for the memory estimate; None: found or unknown
     cpus_per_task: int = 1
     signal_delay_s: int = 120  # SIGUSR2 this long before the time limit: checkpoint and requeue
     max_requeues: int = 3  # preemptions/timeouts survived before the job gives up
@@ -178,6 +179,9 @@ class ClusterConfig:
         if self.mem_gb is not None and int(self.mem_gb * 1024) < 1:  # sbatch reads --mem=0 as "all of it"
             raise invalid("cluster.mem_gb", self.mem_gb, "must be at least 1 MiB (0.001); sbatch would "
                           "read the 0M it rounds to as the whole node's memory", "cluster.mem_gb=null")
+        if self.gpu_mem_gb is not None and self.gpu_mem_gb <= 0:
+            raise invalid("cluster.gpu_mem_gb", self.gpu_mem_gb, "must be > 0 (GiB of each GPU)",
+                          "cluster.gpu_mem_gb=80, or cluster.gpu_mem_gb=null to find it")
         for key in ("timeout_min", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")
@@ -385,6 +389,7 @@ class PrepareConfig:
 # jobs.train: model, data, optim, memory, checkpoint
 
 AMP_MODES = ("none", "bf16", "fp16")
+ESTIMATE_MODES = ("check", "warn", "off")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
 ON_NONFINITE = ("stop", "skip")
@@ -540,10 +545,16 @@ class MemoryConfig:
 
     amp: str = "none"  # none | bf16 (autocast) | fp16 (autocast + grad scaler)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # The peak memory per rank, estimated before submission (training/estimate.py). check: a step
+    # above 95% of the GPU is refused, naming the cheapest option that fits; warn: shown only; off.
+    estimate: str = "check"
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_MODES:
             raise invalid("memory.amp", self.amp, f"choose one of {AMP_MODES}", "memory.amp=bf16")
+        if self.estimate not in ESTIMATE_MODES:
+            raise invalid("memory.estimate", self.estimate, f"choose one of {ESTIMATE_MODES}",
+                          "memory.estimate=warn")
 
 
 @dataclass

@@ -1,0 +1,474 @@
+"""Will it fit? The peak memory per rank of one training step, estimated before submission.
+
+One real training step (forward, backward, optimizer step) runs on fake tensors
+(``FakeTensorMode``: shapes and dtypes, no storage, no arithmetic) under torch's own memory
+trackers (``torch.distributed._tools``: ``MemTracker``, and ``FSDPMemTracker`` under fsdp, which
+shards the model over a fake process group of ``parallelism.world_size`` ranks exactly as the
+ranks will). The model is built from the config as the trainer builds it; the batch is the largest
+the loader can produce: ``data.batch_size`` copies of the first sample, every padded field at its
+longest (the manifest's ``max_leading``; a language model's windows are always ``data.seq_len``).
+Two steps run: the first creates the optimizer state, the second is the steady step whose
+backward holds parameters, optimizer state, gradients and activations at once. With
+``optim.grad_accum_steps`` above 1 each step runs two micro-batches: the second's backward adds
+its gradients to the first's, the most an accumulating step ever holds.
+
+What the trackers cannot see is added here: DDP's gradient buckets (``gradient_as_bucket_view``
+is off, so the reducer keeps one more copy of the gradients for the whole run). On a GPU target
+the optimizer runs with ``foreach=True``, as torch chooses on CUDA, so its temporaries count.
+
+The GPU's size (``gpu_capacity``): ``cluster.gpu_mem_gb``; on ``cluster=local`` NVML on this
+machine; on ``cluster=slurm`` the GPU type the job asks for (``--gres=gpu:h100:4`` in
+``cluster.sbatch_args``, a ``cluster.constraint``, or the partition's GRES), from ``GPU_GIB``.
+A CPU run is held against the machine's memory per rank.
+
+``trainer`` is imported as a module: it imports this one (for the summary), so its names are read
+at call time, never while either module is half-loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from orchestrator import atomic
+from orchestrator.config import ConfigError, TrainConfig
+from orchestrator.telemetry import nvml
+from orchestrator.training import strategy, trainer
+from orchestrator.training.tasks import Batch, Task
+from sharding import ShardedDataset
+
+GIB = 1 << 30
+FIT_FRACTION = 0.95  # above this share of the GPU a step is refused: the allocator needs headroom
+ESTIMATE_FILE = "memory-estimate.json"  # RUN/: written before submission, read into summary.json
+
+# GiB of the common data-centre GPUs, by the names SLURM sites give them in GRES and features.
+# Where a name has two sizes the smaller is assumed (the refusal says so): a wrong "fits" costs a
+# queue wait and an OOM, a wrong "does not fit" costs one override.
+GPU_GIB: tuple[tuple[str, str, float], ...] = (  # (pattern, name, GiB), the first match wins
+    (r"a100.?(80|sxm4.?80)", "A100 80GB", 80), (r"a100", "A100 (40 or 80 GiB: 40 assumed)", 40),
+    (r"h200", "H200", 141), (r"h100", "H100", 80), (r"l40s?", "L40S", 48),
+    (r"v100.?32", "V100 32GB", 32), (r"v100", "V100 (16 or 32 GiB: 16 assumed)", 16),
+)
+
+
+class EstimateUnavailable(RuntimeError):
+    """The step cannot run on fake tensors (a model that reads a value on the host, an op with
+    no fake kernel, a process group already running here): the submission goes on unestimated."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank at the step's peak, by category (what was live at that moment)."""
+
+    parameters: int  # parameters and buffers; under fsdp the shards plus the gathered units
+    gradients: int  # under ddp with its buckets; under fsdp the shards plus unsharded ones
+    optimizer: int  # AdamW: 2 fp32 states per parameter, SGD with momentum: 1
+    activations: int  # saved for backward, and the input batch
+    temporary: int  # backward's transient tensors: gradients of activations, workspaces
+    peak: int  # the sum: the most allocated at once
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The memory one rank has: a GPU's, or the host's share per rank on CPU."""
+
+    bytes: int
+    name: str  # "H100", "cluster.gpu_mem_gb", "GPU 0 of this machine", "host memory per rank"
+    is_gpu: bool
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What the submission shows and ``summary.json`` keeps: the estimate and what it is held to."""
+
+    estimate: Estimate | None
+    capacity: Capacity | None
+    unavailable: str | None = None  # why there is no estimate
+
+    @property
+    def fraction(self) -> float | None:
+        if self.estimate is None or self.capacity is None or self.capacity.bytes <= 0:
+            return None
+        return self.estimate.peak / self.capacity.bytes
+
+    def line(self) -> str:
+        """One line for every submission: ``memory: 21.3 GiB peak per rank of 80 GiB on H100 (estimate)``."""
+        if self.estimate is None:
+            return f"memory: not estimated ({self.unavailable})"
+        peak = f"memory: {gib(self.estimate.peak)} peak per rank"
+        if self.capacity is None:
+            return f"{peak} (estimate; GPU size unknown: set cluster.gpu_mem_gb to check it)"
+        return f"{peak} of {gib(self.capacity.bytes)} on {self.capacity.name} (estimate)"
+
+    def table(self) -> str:
+        """The dry run's breakdown: one row per category, then the peak and its share."""
+        if self.estimate is None:
+            return self.line()
+        rows = [(name.replace("_", " "), value) for name, value in self.estimate.as_dict().items()
+                if name != "peak"]
+        lines = ["| memory per rank (estimate) | size |", "|---|---:|"]
+        lines += [f"| {name} | {gib(value)} |" for name, value in rows]
+        lines.append(f"| peak | {gib(self.estimate.peak)} |")
+        if self.capacity is not None and self.fraction is not None:
+            lines.append(f"| share of {gib(self.capacity.bytes)} on {self.capacity.name} | "
+                         f"{self.fraction:.0%} |")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"estimate_bytes": self.estimate.as_dict() if self.estimate else None,
+                "capacity_bytes": self.capacity.bytes if self.capacity else None,
+                "capacity_name": self.capacity.name if self.capacity else None,
+                "fraction": self.fraction, "unavailable": self.unavailable}
+
+
+def gib(num_bytes: int | float) -> str:
+    """``21.3 GiB``; below 1 GiB in MiB (a small model's estimate is not "0.0 GiB")."""
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------
+# The largest batch
+
+
+def largest_batch(example: Batch, ds: ShardedDataset, batch_size: int) -> Batch:
+    """``example`` (one sample, as the loader builds it) as ``batch_size`` rows of the longest
+    shape: each padded field (one with a ``<name>_mask``) padded to the dataset's ``max_leading``,
+    its mask all true, its ``_lengths`` the maximum."""
+    out: Batch = {}
+    for key, value in example.items():
+        stats = ds.field_stats.get(key)
+        if f"{key}_mask" in example and stats is not None and value.dim() >= 2:
+            value = pad_rows(value, stats.max_leading)  # [1, max_len, ...]
+        elif key.endswith("_mask") and key.removesuffix("_mask") in ds.field_stats:
+            value = torch.ones(1, ds.field_stats[key.removesuffix("_mask")].max_leading, dtype=value.dtype)
+        elif key.endswith("_lengths") and key.removesuffix("_lengths") in ds.field_stats:
+            value = torch.full_like(value, ds.field_stats[key.removesuffix("_lengths")].max_leading)
+        out[key] = value.expand(batch_size, *value.shape[1:]).contiguous()  # [batch_size, ...]
+    return out
+
+
+def pad_rows(value: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, rows, ...] -> [1, length, ...], zero rows appended."""
+    if value.shape[1] >= length:
+        return value
+    pad = value.new_zeros(value.shape[0], length - value.shape[1], *value.shape[2:])
+    return torch.cat([value, pad], dim=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The step on fake tensors
+
+
+def estimate_step(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> Estimate:
+    """The peak per rank of one steady training step of ``cfg`` (see the module's docstring).
+    Raises EstimateUnavailable when the step cannot run on fake tensors."""
+    batch = largest_batch(example, ds, cfg.data.batch_size)
+    kwargs = task.model_kwargs(ds)
+    fsdp = cfg.parallelism.strategy == "fsdp"
+    try:
+        with fake_world(cfg.parallelism.world_size if fsdp else 0) as mesh, FakeTensorMode() as mode:
+            fake = {k: mode.from_tensor(v) if k in task.fields() else v for k, v in batch.items()}
+            model = trainer.build_model(cfg.model, kwargs, cfg.memory)
+            if mesh is not None:
+                shard(model, cfg, mesh)
+            optimizer = trainer.build_optimizer(model.parameters(), cfg.optim)
+            for group in optimizer.param_groups:  # as torch picks on CUDA: its temporaries count
+                group["foreach"] = cfg.parallelism.gpus_per_node > 0
+            snapshot = tracked_steps(cfg, task, model, optimizer, fake, fsdp)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EstimateUnavailable(f"the step does not run on fake tensors: {type(e).__name__}: "
+                                  f"{first[:200]}") from e
+    buckets = 0 if fsdp else state_bytes(cfg, kwargs)  # DDP's reducer: one more gradient copy
+    return categorise(snapshot, buckets)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[DeviceMesh | None]:
+    """fsdp (``world_size`` > 0): a fake process group of ``world_size`` ranks in which this
+    process is rank 0 (the largest shard), and its mesh; torch's fake backend moves no data."""
+    if world_size <= 0:
+        yield None
+        return
+    if dist.is_initialized():
+        raise EstimateUnavailable("a process group already runs in this process")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers nothing else
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads its ranks
+    finally:
+        dist.destroy_process_group()
+
+
+def shard(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh) -> None:
+    """As ``strategy.Fsdp.wrap``: each unit, then the root, with the run's mixed precision."""
+    policy = strategy.mixed_precision(cfg.memory, cfg.parallelism)
+    for unit in strategy.shard_units(model, cfg.parallelism.fsdp_units):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def tracked_steps(cfg: TrainConfig, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  batch: Batch, fsdp: bool) -> dict[str, int]:
+    """Two optimizer steps under the tracker -> its peak snapshot, bytes by category name."""
+    tracker: MemTracker
+    if fsdp:
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs(tuple(batch.values()))
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer, *batch.values())
+    micro_batches = min(cfg.optim.grad_accum_steps, 2)
+    denominator = task.denominator(cfg.data.batch_size) * cfg.optim.grad_accum_steps
+    amp = cfg.memory.amp if not fsdp else "none"  # fsdp: the mixed-precision policy casts
+    model.train()
+    with tracker:
+        for _ in range(2):  # the first step creates the optimizer state
+            for _ in range(micro_batches):
+                tracker.reset_mod_stats()  # the tracker refuses a module called twice otherwise
+                loss, _, _ = trainer.batch_loss(model, batch, task, amp, denominator)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    peak: dict[str, int] = {}
+    for device_snapshot in tracker.get_tracker_snapshot("peak").values():
+        for key, value in device_snapshot.items():
+            name = getattr(key, "name", str(key))
+            peak[name] = peak.get(name, 0) + int(value)
+    return peak
+
+
+# the trackers' categories (MemTracker's and FSDPMemTracker's enum names) -> the report's
+CATEGORIES = {
+    "parameters": ("PARAM", "BUFFER", "SHARDED_PARAM", "UNSHARDED_PARAM", "ALL_GATHER"),
+    "gradients": ("GRAD", "SHARDED_GRAD", "UNSHARDED_GRAD", "REDUCE_SCATTER"),
+    "optimizer": ("OPT",),
+    "activations": ("ACT", "INP", "OTH"),
+    "temporary": ("TEMP",),
+}
+
+
+def categorise(snapshot: dict[str, int], buckets: int) -> Estimate:
+    sums = {category: sum(snapshot.get(name, 0) for name in names)
+            for category, names in CATEGORIES.items()}
+    sums["gradients"] += buckets
+    return Estimate(**sums, peak=sum(sums.values()))
+
+
+def state_bytes(cfg: TrainConfig, kwargs: dict[str, Any]) -> int:
+    """Bytes of the model's trainable parameters (built on the meta device: nothing allocated)."""
+    with torch.device("meta"):
+        model = trainer.build_model(cfg.model, kwargs, cfg.memory)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# What one rank has
+
+
+def gpu_capacity(cfg: TrainConfig) -> Capacity | None:
+    """The memory of the GPU each rank gets, or of the host per rank on CPU; None: unknown."""
+    cluster, parallelism = cfg.cluster, cfg.parallelism
+    if parallelism.gpus_per_node == 0:
+        total = cluster.mem_gb * GIB if cluster.mode == "slurm" and cluster.mem_gb else \
+            psutil.virtual_memory().total
+        return Capacity(int(total / parallelism.procs_per_node), "host memory per rank", is_gpu=False)
+    if cluster.gpu_mem_gb is not None:
+        return Capacity(int(cluster.gpu_mem_gb * GIB), f"cluster.gpu_mem_gb={cluster.gpu_mem_gb:g}", True)
+    if cluster.mode != "slurm":
+        return local_gpu(parallelism.gpus_per_node)
+    for source in [*cluster.sbatch_args, cluster.constraint or "", *partition_gres(cluster.partition)]:
+        known = gpu_by_name(source)
+        if known is not None:
+            return known
+    return None
+
+
+def gpu_by_name(text: str) -> Capacity | None:
+    """The first known GPU named in ``text`` (a GRES like ``gpu:h100:4``, a feature)."""
+    for pattern, name, size_gib in GPU_GIB:
+        if re.search(pattern, text.lower()):
+            return Capacity(int(size_gib * GIB), name, is_gpu=True)
+    return None
+
+
+def partition_gres(partition: str | None) -> list[str]:
+    """The GRES of the partition's nodes (``sinfo -o %G``): the GPUs the job will get."""
+    argv = ["sinfo", "-h", "-o", "%G", *(["-p", partition] if partition else [])]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return sorted({line.strip() for line in out.splitlines() if "gpu" in line})
+
+
+def local_gpu(count: int) -> Capacity | None:
+    """The smallest of the first ``count`` GPUs this process sees, through NVML."""
+    api = nvml.load_nvml()
+    if api is None:
+        return None
+    try:
+        indices = [i for i in nvml.visible_gpus(api, os.environ)[:count] if i is not None]
+        sizes = [int(api.nvmlDeviceGetMemoryInfo(api.nvmlDeviceGetHandleByIndex(i)).total)
+                 for i in indices]
+    except nvml.NVML_ERRORS:
+        return None
+    return Capacity(min(sizes), f"GPU {indices[sizes.index(min(sizes))]} of this machine", True) \
+        if sizes else None
+
+
+# ------------------------------------------------------------------------------------------------
+# The check before submission
+
+
+Estimator = Callable[[TrainConfig], Estimate]
+
+
+def check_memory(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> MemoryReport | None:
+    """``memory.estimate``: check (refuse a GPU step above ``FIT_FRACTION``, naming the cheapest
+    option that fits), warn (report only), off (nothing). None when off."""
+    if cfg.memory.estimate == "off":
+        return None
+    capacity = gpu_capacity(cfg)
+    try:
+        found = estimate_step(cfg, task, ds, example)
+    except EstimateUnavailable as e:
+        return MemoryReport(None, capacity, str(e))
+    report = MemoryReport(found, capacity)
+    fraction = report.fraction
+    if cfg.memory.estimate == "check" and capacity is not None and capacity.is_gpu \
+            and fraction is not None and fraction > FIT_FRACTION:
+        def estimator(option: TrainConfig) -> Estimate:
+            return estimate_step(option, task, ds, example)
+        raise ConfigError(refusal(cfg, report, capacity, estimator))
+    return report
+
+
+def refusal(cfg: TrainConfig, report: MemoryReport, capacity: Capacity, estimator: Estimator) -> str:
+    peak = report.estimate.peak if report.estimate else 0
+    head = (f"memory: the estimated peak is {gib(peak)} per rank, above {FIT_FRACTION:.0%} of the "
+            f"{gib(capacity.bytes)} of {capacity.name}: the first step would run out of memory, so "
+            f"nothing was queued")
+    fit = cheapest_fit(cfg, capacity, estimator)
+    if fit is None:
+        return (f"{head}; no option tried fits (memory.amp=bf16, activation checkpointing, gradient "
+                f"accumulation, fsdp on up to 8 times the nodes, and all of them together) (try a "
+                f"smaller model or data.batch_size, a larger GPU, or memory.estimate=warn to submit "
+                f"anyway)")
+    overrides, found = fit
+    return (f"{head}; the cheapest option that fits: {' '.join(overrides)}, estimated at "
+            f"{gib(found.peak)} ({found.peak / capacity.bytes:.0%}) (try {' '.join(overrides)}, or "
+            f"memory.estimate=warn to submit anyway)")
+
+
+def cheapest_fit(cfg: TrainConfig, capacity: Capacity, estimator: Estimator
+                 ) -> tuple[list[str], Estimate] | None:
+    """The first of ``options(cfg)`` whose own estimate fits, with it; None if none does."""
+    for overrides, option in options(cfg):
+        try:
+            found = estimator(option)
+        except EstimateUnavailable:
+            continue
+        if found.peak <= FIT_FRACTION * capacity.bytes:
+            return overrides, found
+    return None
+
+
+Changes = dict[str, dict[str, Any]]  # config group -> field -> value
+
+
+def options(cfg: TrainConfig) -> Iterator[tuple[list[str], TrainConfig]]:
+    """The memory options in the order of their cost, each alone, then added up in that order
+    (bf16, + checkpointing, + accumulation, + fsdp): (the overrides, the config they make)."""
+    singles = list(single_options(cfg))
+    for overrides, changes in singles:
+        option = apply(cfg, changes)
+        if option is not None:
+            yield overrides, option
+    merged: Changes = {}
+    named: dict[str, str] = {}  # key -> value, in the order first named
+    for i, (overrides, changes) in enumerate(singles):
+        for group, values in changes.items():
+            merged.setdefault(group, {}).update(values)
+        named.update(o.split("=", 1) for o in overrides)  # type: ignore[misc]  # key=value pairs
+        option = apply(cfg, merged)
+        if i > 0 and option is not None:
+            yield [f"{key}={value}" for key, value in named.items()], option
+
+
+def single_options(cfg: TrainConfig) -> Iterator[tuple[list[str], Changes]]:
+    """bf16 (free on a GPU that has it), activation checkpointing (one more forward per block),
+    accumulation (half the batch, twice the steps: the same gradient; down to an eighth), fsdp at
+    this world size, then (slurm) on 2, 4 and 8 times the nodes."""
+    memory, data, optim, parallelism = cfg.memory, cfg.data, cfg.optim, cfg.parallelism
+    if memory.amp == "none":
+        yield ["memory.amp=bf16"], {"memory": {"amp": "bf16"}}
+    if not memory.activation_checkpointing:
+        yield ["memory.activation_checkpointing=true"], {"memory": {"activation_checkpointing": True}}
+    batch, steps = data.batch_size, optim.grad_accum_steps
+    for _ in range(3):
+        if batch < 2:
+            break
+        batch, steps = batch // 2, steps * 2
+        yield [f"data.batch_size={batch}", f"optim.grad_accum_steps={steps}"], \
+            {"data": {"batch_size": batch}, "optim": {"grad_accum_steps": steps}}
+    if parallelism.strategy == "ddp" and parallelism.world_size > 1:
+        yield ["parallelism.strategy=fsdp"], {"parallelism": {"strategy": "fsdp"}}
+    if cfg.cluster.mode == "slurm":
+        for times in (2, 4, 8):
+            nodes = parallelism.nodes * times
+            yield ["parallelism.strategy=fsdp", f"parallelism.nodes={nodes}"], \
+                {"parallelism": {"strategy": "fsdp", "nodes": nodes}}
+
+
+def apply(cfg: TrainConfig, changes: Changes) -> TrainConfig | None:
+    """``cfg`` with ``changes`` (group -> field -> value); None when that combination is invalid
+    (fsdp with fp16: the groups' own checks say so)."""
+    try:
+        groups = {group: dataclasses.replace(getattr(cfg, group), **values)
+                  for group, values in changes.items()}
+        return dataclasses.replace(cfg, **groups)
+    except ConfigError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the run directory into summary.json
+
+
+def write_report(run_dir: Path, report: MemoryReport) -> None:
+    """Before submission: rank 0's summary picks it up (``read_report``) beside the measured peak."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(run_dir / ESTIMATE_FILE, report.as_dict(), indent=2)
+
+
+def read_report(run_dir: Path) -> dict[str, Any] | None:
+    """The estimate written before submission; None when there is none or it does not parse (the
+    summary must not fail over a note)."""
+    try:
+        found = json.loads((run_dir / ESTIMATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None

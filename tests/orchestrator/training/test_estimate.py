@@ -1,0 +1,215 @@
+"""The memory estimate on fake tensors against torch's own accounting of a real CPU step, and
+against the H100 peaks measured for this project (docs/performance.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+
+from jobs.demo_data import ensure_demo_dataset
+from orchestrator.config import ConfigError, TrainConfig, register_configs
+from orchestrator.training import checks, estimate, trainer
+from orchestrator.training.estimate import GIB, Capacity, Estimate, MemoryReport
+from orchestrator.training.tasks import Batch, Task, build_task
+from sharding import ShardedDataset, open_dataset
+
+SMALL = ["model=transformer", "model.d_model=128", "model.ff_dim=256", "data.batch_size=32",
+         "data.demo_num_samples=256"]
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    register_configs()
+    with initialize_config_module("conf", version_base="1.3"):
+        return cast(TrainConfig, OmegaConf.to_object(compose("train", overrides=overrides)))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("datasets")
+
+
+Setup = tuple[TrainConfig, Task, ShardedDataset, Batch]
+
+
+def setup(overrides: list[str]) -> Setup:
+    cfg = compose_config(overrides)
+    ds = open_dataset(cfg.data.path or str(ensure_demo_dataset(cfg.data)[0]))
+    task = build_task(cfg.task, cfg.data)
+    task.setup(ds)
+    return cfg, task, ds, checks.example_batch(task, ds)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch's own accounting of a real step: the CPU allocator's bytes, as the profiler records them
+
+
+@contextlib.contextmanager
+def real_world(cfg: TrainConfig) -> Iterator[Callable[[torch.nn.Module], torch.nn.Module]]:
+    """A process group as the trainer's (ddp: gloo, one rank; fsdp: the estimate's fake group of
+    world_size ranks, this process rank 0) and the wrapping the trainer applies."""
+    if cfg.parallelism.strategy == "fsdp":
+        with estimate.fake_world(cfg.parallelism.world_size) as mesh:
+            assert mesh is not None
+
+            def shard(model: torch.nn.Module) -> torch.nn.Module:
+                estimate.shard(model, cfg, mesh)
+                return model
+            yield shard
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistributedDataParallel
+    finally:
+        dist.destroy_process_group()
+
+
+def measured_peak(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch, trace: Path) -> int:
+    """The most bytes the CPU allocator held at once over two real steps of the trainer's own
+    micro-batch loop, everything (weights, batch, optimizer) allocated under the profiler."""
+    kwargs = task.model_kwargs(ds)
+    fsdp = cfg.parallelism.strategy == "fsdp"
+    with real_world(cfg) as wrap, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        batch = estimate.largest_batch(example, ds, cfg.data.batch_size)
+        model = wrap(trainer.build_model(cfg.model, kwargs, cfg.memory))
+        optimizer = trainer.build_optimizer(model.parameters(), cfg.optim)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for _ in range(2):
+            trainer.backward_micro_batches(
+                model, [batch] * cfg.optim.grad_accum_steps, task, cfg.data.batch_size,
+                "none" if fsdp else cfg.memory.amp, scaler,
+                (lambda sync: contextlib.nullcontext()) if fsdp else None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    prof.export_chrome_trace(str(trace))
+    events = [e["args"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    # The allocator's running total carries what an earlier profile allocated and never saw freed
+    # (an earlier test's model): count from where this profile started.
+    start = int(events[0]["Total Allocated"]) - int(events[0]["Bytes"])
+    return max(int(e["Total Allocated"]) for e in events) - start
+
+
+CPU_CONFIGS = {
+    "ddp": [],
+    "fsdp, world 2": ["parallelism.strategy=fsdp", "parallelism.procs_per_node=2"],
+    "bf16": ["memory.amp=bf16"],
+    "activation checkpointing": ["memory.activation_checkpointing=true"],
+    "accumulation": ["optim.grad_accum_steps=2"],
+}
+
+
+@pytest.mark.parametrize("name", list(CPU_CONFIGS))
+def test_the_estimate_is_within_15_percent_of_a_real_cpu_step(name: str, cache: Path, tmp_path: Path
+                                                              ) -> None:
+    cfg, task, ds, example = setup([*SMALL, *CPU_CONFIGS[name], f"data.cache_dir={cache}"])
+    found = estimate.estimate_step(cfg, task, ds, example)
+    real = measured_peak(cfg, task, ds, example, tmp_path / "trace.json")
+    assert abs(found.peak / real - 1) < 0.15, (name, found, real)
+    assert found.peak == sum(v for k, v in found.as_dict().items() if k != "peak")
+
+
+def test_each_option_shrinks_what_it_should(cache: Path) -> None:
+    base = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}"]))
+    fsdp = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", *CPU_CONFIGS["fsdp, world 2"]]))
+    bf16 = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "memory.amp=bf16"]))
+    sgd = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "optim=sgd"]))
+    assert base.optimizer == pytest.approx(2 * sgd.optimizer, rel=0.01)  # AdamW: 2 states, SGD: 1
+    assert fsdp.optimizer == pytest.approx(base.optimizer / 2, rel=0.05)  # sharded over 2 ranks
+    assert bf16.activations < 0.7 * base.activations and bf16.optimizer == base.optimizer
+
+
+def test_the_largest_batch_has_every_padded_field_at_its_longest(cache: Path) -> None:
+    _, _, ds, example = setup([*SMALL, f"data.cache_dir={cache}"])
+    batch = estimate.largest_batch(example, ds, 5)
+    longest = ds.field_stats["x"].max_leading
+    assert batch["x"].shape == (5, longest, example["x"].shape[2])
+    assert batch["x_mask"].shape == (5, longest) and bool(batch["x_mask"].all())
+    assert batch["y"].shape == (5,) and batch["is_pad"].shape == (5,)
+
+
+def test_a_language_model_is_estimated_on_windows_of_seq_len(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
+    subprocess.run([sys.executable, "-m", "jobs.prepare", f"input={corpus}", f"output={tmp_path / 'lm'}",
+                    "format=text", "tokenizer=bytes"], check=True, capture_output=True, timeout=300)
+    cfg, task, ds, example = setup(["task=causal_lm", "model=gpt", "model.d_model=64", "model.num_layers=2",
+                                    "data.seq_len=128", "data.batch_size=8", f"data.path={tmp_path / 'lm'}"])
+    batch = estimate.largest_batch(example, ds, cfg.data.batch_size)
+    assert batch["input"].shape == batch["target"].shape == (8, 128)  # every window is seq_len long
+    found = estimate.estimate_step(cfg, task, ds, example)
+    real = measured_peak(cfg, task, ds, example, tmp_path / "trace.json")
+    assert abs(found.peak / real - 1) < 0.15, (found, real)
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU's size, and the H100 peaks
+
+
+def test_gpu_sizes_come_from_the_config_the_gres_type_or_the_host() -> None:
+    assert estimate.gpu_by_name("gpu:h100:4") == Capacity(80 * GIB, "H100", True)
+    assert estimate.gpu_by_name("--gres=gpu:a100_80gb:8") == Capacity(80 * GIB, "A100 80GB", True)
+    assert estimate.gpu_by_name("gpu:a100:8").bytes == 40 * GIB  # the smaller size, said so
+    assert estimate.gpu_by_name("gpu:h200:8").bytes == 141 * GIB
+    assert estimate.gpu_by_name("l40s").bytes == 48 * GIB
+    assert estimate.gpu_by_name("gpu:v100:2").bytes == 16 * GIB
+    assert estimate.gpu_by_name("gpu:2") is None
+    cfg = compose_config(["cluster=slurm", "parallelism=gpu", "cluster.gpu_mem_gb=24"])
+    assert estimate.gpu_capacity(cfg) == Capacity(24 * GIB, "cluster.gpu_mem_gb=24", True)
+    cfg = compose_config(["cluster=slurm", "parallelism=gpu", 'cluster.sbatch_args=["--gres=gpu:h100:4"]'])
+    assert estimate.gpu_capacity(cfg) == Capacity(80 * GIB, "H100", True)
+    cpu = estimate.gpu_capacity(compose_config(["parallelism.procs_per_node=2"]))
+    assert cpu is not None and not cpu.is_gpu and cpu.name == "host memory per rank"
+
+
+def test_the_submission_line_and_the_table_name_the_peak_and_the_gpu() -> None:
+    found = Estimate(parameters=GIB, gradients=GIB, optimizer=2 * GIB, activations=16 * GIB,
+                     temporary=GIB + GIB // 2, peak=int(21.5 * GIB))
+    report = MemoryReport(found, Capacity(80 * GIB, "H100", True))
+    assert report.line() == "memory: 21.5 GiB peak per rank of 80.0 GiB on H100 (estimate)"
+    table = report.table()
+    assert "| activations | 16.0 GiB |" in table and "| peak | 21.5 GiB |" in table
+    assert "| share of 80.0 GiB on H100 | 27% |" in table
+    assert MemoryReport(None, None, "the step does not run").line() == \
+        "memory: not estimated (the step does not run)"
+
+
+BIG_TRANSFORMER = ["model=transformer", "model.d_model=1024", "model.num_layers=8", "model.ff_dim=4096",
+                   "model.num_heads=16", "data.batch_size=64", "data.demo_max_rows=512",
+                   "data.demo_num_samples=2048", "parallelism=gpu", "parallelism.gpus_per_node=1"]
+# max_memory_allocated on one H100 under ddp world 1 (bench/gpu_check.py; docs/performance.md)
+H100_PEAKS_GIB = {
+    "no option": ([], 15.73),
+    "bf16": (["memory.amp=bf16"], 9.34),
+    "activation checkpointing": (["memory.activation_checkpointing=true"], 5.21),
+    "bf16 + activation checkpointing": (["memory.amp=bf16", "memory.activation_checkpointing=true"], 3.54),
+    "grad_accum_steps=4, batch 16": (["optim.grad_accum_steps=4", "data.batch_size=16"], 5.49),
+}
+
+
+def test_the_estimates_are_within_15_percent_of_the_measured_h100_peaks(cache: Path) -> None:
+    ratios: dict[str, float] = {}
+    for name, (overrides, measured_gib) in H100_PEAKS_GIB.items():
+        cfg, task, ds, example = setup([*BIG_TRANSFORMER, *overrides, f"data.cache_dir={cache}"])
+        assert ds.field_stats["x"].max_leading == 512  # the measured runs' longest rows
+        ratios[name] = estimate.estimate_step(cfg, task, ds, example).peak / GIB / measured_gib
+    assert all(abs(r - 1) < 0.15 for r in ratios.values()), ratios
+
+
+def test_memory_estimate_and_gpu_mem_gb_are_checked_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"memory.estimate='maybe' is invalid: choose one of "
+                                          r"\('check', 'warn', 'off'\) \(try memory.estimate=warn\)"):
+        compose_config(["memory.estimate=maybe"])
+    with pytest.raises(ConfigError, match=r"cluster.gpu_mem_gb=0.0 is invalid: must be > 0"):
+        compose_config(["cluster.gpu_mem_gb=0"])
