@@ -39,6 +39,24 @@ class JobFailedError(RuntimeError):
         self.failed_ranks = failed_ranks
 
 
+class RankFailed(RuntimeError):
+    """A rank's own failure whose message says everything (which rank, how it ended, its output's
+    last lines): the job's report quotes that message, not the traceback through Switchyard."""
+
+
+# How submitit's error text names it: the report cuts the message out of the traceback there.
+_RANK_FAILED = f"{RankFailed.__module__}.{RankFailed.__qualname__}: "
+_SUBMITIT_FOOTER = "\n----------------------"
+
+
+def quoted(error: str) -> str:
+    """What a failure report quotes of a rank's error: a RankFailed's message alone, else all."""
+    start = error.rfind(_RANK_FAILED)
+    if start < 0:
+        return error
+    return error[start + len(_RANK_FAILED):].split(_SUBMITIT_FOOTER, 1)[0]
+
+
 class SubmissionError(ConfigError):
     """sbatch refused the job, or it can never start; nothing of it is left queued."""
 
@@ -352,8 +370,8 @@ def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
         cause = f"{reporter} the task {reasons[o.rank]}; " if o.rank in reasons and o.error is None else ""
         if hang is not None and o.rank in hang.why:
             cause = f"{hang.why[o.rank]}. Its log ends: "
-        lines.append(f"rank {o.rank}{f' on node {node}' if node else ''}: "
-                     f"{cause}{_tail(o.error or o.no_output or '', 25)}")
+        who = f"rank {o.rank}{f' on node {node}' if node else ''}: "
+        lines.append(f"{who}{cause}{_tail(quoted(o.error or o.no_output or '').removeprefix(who), 25)}")
     others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})
     if culprits and others:
         lines.append(f"ranks {others} were stopped after rank {culprits[0].rank} failed.")

@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from orchestrator import atomic
-from orchestrator.launch import dist_env, rank_env, run_lock
+from orchestrator.launch import dist_env, rank_env, run_lock, submit
 from orchestrator.sweeps.registry import TaskStatus
 from orchestrator.telemetry.files import clear_end_summary, register_rank, write_end_summary
 from orchestrator.telemetry.preflight import preflight
@@ -50,8 +50,9 @@ KEPT_ENVIRONMENT = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "CUDA_V
                     "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_RESTART_COUNT", "HOSTNAME")
 
 
-class CommandFailed(RuntimeError):
-    """The command of one rank ended badly; the message names the rank, node, status and output."""
+# The command of one rank ended badly; the message names the rank, node, status and output, and
+# the job's failure report quotes it whole (submit.RankFailed).
+CommandFailed = submit.RankFailed
 
 
 @dataclass(frozen=True)

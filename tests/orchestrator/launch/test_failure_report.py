@@ -51,3 +51,17 @@ def test_srun_report_glued_to_a_progress_bar_is_found(tmp_path) -> None:  # type
                    "srun: launch/slurm: _step_signal: Terminating StepId=9.0\n"
                    "srun: error: n1: task 1: Terminated\nsrun: error: n2: task 3: Killed\n")
     assert srun_task_failures(job) == [(2, "killed")]  # type: ignore[arg-type]
+
+
+def test_a_rank_failed_message_is_quoted_without_the_traceback_around_it() -> None:
+    from orchestrator.launch.submit import quoted
+
+    error = ("Job (task=2) failed during processing with trace:\n----------------------\n"
+             "Traceback (most recent call last):\n  File \"submit.py\", line 148, in __call__\n"
+             "    return self.fn(*args, **kwargs)\n"
+             "orchestrator.launch.submit.RankFailed: rank 2 on node n2: `python x.py` exited with status 3\n"
+             "its stdout ends:\n    the last line\n\n----------------------\n"
+             "You can check full logs with 'job.stderr(2)'")
+    assert quoted(error) == ("rank 2 on node n2: `python x.py` exited with status 3\n"
+                             "its stdout ends:\n    the last line\n")
+    assert quoted("ValueError: plain") == "ValueError: plain"
