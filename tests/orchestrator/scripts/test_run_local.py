@@ -135,3 +135,40 @@ def test_a_rank_killed_outright_is_named_with_its_signal(tmp_path: Path) -> None
 def test_help_names_what_each_rank_receives(tmp_path: Path) -> None:
     proc = switchyard_run(tmp_path, "--help")
     assert proc.returncode == 0 and "MASTER_PORT" in proc.stdout and "SWITCHYARD_RUN_DIR" in proc.stdout
+
+
+def test_cancel_stops_every_ranks_command_in_local_mode(tmp_path: Path) -> None:
+    import psutil
+
+    (tmp_path / "wait.py").write_text("import os, signal, sys, time\n"
+                                      "def stop(*_):\n"
+                                      "    open(f\"term-{os.environ['RANK']}\", 'w').close()\n"
+                                      "    sys.exit(0)\n"
+                                      "signal.signal(signal.SIGTERM, stop)\n"
+                                      "time.sleep(600)\n")
+    env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    submitter = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run",
+                                  f"hydra.run.dir={tmp_path / 'run'}", "--", sys.executable, "wait.py"],
+                                 cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def commands() -> list[psutil.Process]:  # the ranks' `python wait.py`, not the submitter
+        return [p for p in psutil.process_iter(["cmdline", "cwd"])
+                if (p.info["cmdline"] or [])[1:] == ["wait.py"] and p.info["cwd"] == str(tmp_path)]
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(commands()) < 2:
+            assert time.monotonic() < deadline, "the ranks' commands never started"
+            time.sleep(0.2)
+        cancel = subprocess.run([sys.executable, "-m", "orchestrator.cli", "cancel", "1", "--grace", "10",
+                                 "--json"], env=env, capture_output=True, text=True, timeout=120)
+        assert json.loads(cancel.stdout)["cancelled"] == ["1/0"], cancel.stderr
+        assert commands() == []
+        # SIGTERM reached each rank's command through its Switchyard process, not SIGKILL at the end
+        assert (tmp_path / "term-0").exists() and (tmp_path / "term-1").exists()
+        status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"], env=env,
+                                capture_output=True, text=True, check=True)
+        assert json.loads(status.stdout)["jobs"][0]["state"] == "CANCELLED"
+    finally:
+        submitter.kill()
+        submitter.wait()
