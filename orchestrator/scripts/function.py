@@ -221,6 +221,6 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     atomic.write_text(run / "config.yaml", config_yaml)
     name = getattr(fn, "__qualname__", type(fn).__qualname__)
-    recorded = None if isinstance(job, submitit.DebugJob) else single.record_submitted(
-        APP, f"{name} {' '.join(overrides)}".strip(), job, run, list(overrides), config_yaml, announce=False)
+    recorded = single.record_submitted(APP, f"{name} {' '.join(overrides)}".strip(), job, run,
+                                       list(overrides), config_yaml, announce=False)
     return FunctionJob(cast(submitit.Job[Any], job), run, recorded)

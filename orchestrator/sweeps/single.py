@@ -64,9 +64,13 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
 def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],
                      config_yaml: str, announce: bool = True) -> Recorded | None:
     """``record`` for a job just queued (``announce``: print its id); a registry that cannot take
-    it is a warning, not an error: the job runs anyway, and says so."""
-    from submitit.local.local import LocalJob  # here: `switchyard status` imports this module, light
+    it is a warning, not an error: the job runs anyway, and says so. A debug job (this process,
+    no scheduler) is not recorded: None."""
+    from submitit import DebugJob  # here: `switchyard status` imports this module, light
+    from submitit.local.local import LocalJob
 
+    if isinstance(job, DebugJob):
+        return None
     executor = "local" if isinstance(job, LocalJob) else "slurm"
     try:
         recorded = record(app, command, run_dir, executor, str(job.job_id), Path(job.paths.folder),

@@ -27,3 +27,15 @@ def test_a_single_local_train_run_is_in_switchyard_status(tmp_path: Path) -> Non
     shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "show", "1/0"], env=env,
                            capture_output=True, text=True, check=True)
     assert "max_steps: 4" in shown.stdout
+
+
+def test_a_debug_run_is_not_recorded(tmp_path: Path) -> None:
+    env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "cluster=debug", "optim.max_steps=2",
+                           "log_every_steps=1", "data.demo_num_samples=256",
+                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status"], env=env,
+                            capture_output=True, text=True, check=True)
+    assert "no sweeps recorded" in status.stdout
