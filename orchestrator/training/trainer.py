@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import psutil
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -43,7 +44,7 @@ from orchestrator.telemetry.files import (
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
-from orchestrator.training import checkpoint, preemption, runtime, sharded_checkpoint, strategy
+from orchestrator.training import checkpoint, checkpointing, preemption, runtime, strategy
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
@@ -409,6 +410,8 @@ class Trainer:
         dataset_kwargs = self.task.model_kwargs(self.train_ds)
         runtime.seed_everything(cfg.seed, rt.env.rank)
         self.strategy = strategy.for_run(rt, cfg.parallelism, cfg.memory)
+        self.checkpointer = checkpointing.for_run(self.strategy.name, rt, cfg.checkpoint,
+                                                  self.checkpoint_dir, self.strategy.module)
         self.model = self.strategy.build(lambda: build_model(cfg.model, dataset_kwargs, cfg.memory))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
@@ -570,43 +573,41 @@ class Trainer:
         return (f"Try a lower optim.lr (now {self.cfg.optim.lr}), optim.clip_grad_norm=1.0, or check "
                 f"the data for NaN; optim.on_nonfinite=skip skips such steps instead")
 
-    def save_checkpoint(self) -> None:
-        """ddp: rank 0 writes one file (atomically) while the others wait; fsdp: every rank writes
-        its shards. RNG states come from every rank. A step already saved is not written again."""
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        """Save this step through the strategy's checkpointer (``checkpointing``): under ddp with
+        ``checkpoint.async_save`` the loop waits only for a host copy of the state. ``blocking``
+        (a stop, the end): the save, and any still in the background, are on disk on return. A
+        step already saved is not written again."""
         if self.saved_step == self.step:
+            if blocking:
+                self.checkpointer.wait()
             return
         self.check_finite()  # never a checkpoint of NaN weights as the newest good state
         self.mark("checkpoint")
+        self.checkpointer.save(self.step, self.model, self.optimizer, self.train_state(), blocking=blocking)
+        if blocking:
+            self.checkpointer.wait()
+        self.saved_step = self.step
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and optimizer state, assembled in one place:
+        the step, schedule, grad scaler, sampler position, every rank's RNG streams and counts, what
+        the resuming run must share (``compat``) and the world size. Collective."""
         per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
                                             "units": int(self.units), "batches": self.batches_seen})
-        state = {"step": self.step, "schedule": self.schedule.state_dict(),
-                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
-                 "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size}
-        if self.strategy.is_sharded:
-            sharded_checkpoint.save(self.checkpoint_dir, self.step, self.model, self.optimizer, state)
-            if self.rt.is_main:
-                checkpoint.prune(self.checkpoint_dir, self.cfg.checkpoint.keep_last)
-        elif self.rt.is_main:
-            state.update(model=self.strategy.module(self.model).state_dict(),
-                         optimizer=self.optimizer.state_dict())
-            checkpoint.save(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
-        torch.distributed.barrier()  # no rank runs ahead of a checkpoint being written
-        self.saved_step = self.step
+        return {"step": self.step, "schedule": self.schedule.state_dict(),
+                "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
+                "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size}
 
     def restore(self) -> None:
         """Continue from the newest readable checkpoint of this run, if there is one.
 
         An unreadable newest checkpoint is reported and the previous one used; every rank loads the
-        same one. ddp: rank 0 chooses and tells the others. fsdp: every rank checks its share of
-        the files and they agree (``sharded_checkpoint.choose``).
+        same one (the checkpointer's ``find``: under ddp rank 0 chooses and tells the others, under
+        fsdp every rank checks its share of the files and they agree).
         """
-        listed = runtime.broadcast(self.rt, [str(p) for _, p in checkpoint.listed(self.checkpoint_dir)]
-                                   if self.rt.is_main else None)
-        if not listed:
-            return
-        self.check_kind(Path(listed[0]))
-        found = self.find_sharded([Path(p) for p in listed]) if self.strategy.is_sharded \
-            else self.find_single()
+        started = time.perf_counter()
+        found = self.checkpointer.find()
         if found is None:
             return
         self.checkpoint_warnings = [f"skipped unreadable checkpoint {note}" for note in found.skipped]
@@ -617,11 +618,7 @@ class Trainer:
             print(f"warning: {warning}", flush=True)
         state = found.state
         check_compatible(state["compat"], self.compat, found.path)
-        if self.strategy.is_sharded:
-            sharded_checkpoint.load(found.path, self.model, self.optimizer)
-        else:
-            self.strategy.module(self.model).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.checkpointer.load(found, self.model, self.optimizer)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -632,37 +629,15 @@ class Trainer:
             self.real_samples.fill_(int(mine["samples"]))
             self.units.fill_(int(mine.get("units", mine["samples"])))  # older: classify only
             self.batches_seen = int(mine["batches"])
-        self.resumed_from = {"path": str(found.path), "step": self.step}
+        self.resumed_from = {"path": str(found.path), "step": self.step,
+                             "load_s": time.perf_counter() - started}
         self.saved_step = self.step
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)
 
-    def check_kind(self, newest: Path) -> None:
-        """The newest checkpoint was written by this strategy: not silently skipped or misread."""
-        written = "fsdp" if sharded_checkpoint.is_sharded(newest) else "ddp"
-        if written != self.strategy.name:
-            raise checkpoint.CheckpointError(
-                f"cannot resume from {newest}: it was written with parallelism.strategy={written} and "
-                f"this run has parallelism.strategy={self.strategy.name} (resume with "
-                f"parallelism.strategy={written}, or use a new run directory or checkpoint.dir)")
-
-    def find_single(self) -> checkpoint.Found | None:
-        found = checkpoint.load_latest(self.checkpoint_dir) if self.rt.is_main else None
-        chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
-        if chosen is None:
-            return None
-        return found or checkpoint.load_path(Path(chosen))
-
-    def find_sharded(self, listed: list[Path]) -> checkpoint.Found | None:
-        path, skipped = sharded_checkpoint.choose([p for p in listed if sharded_checkpoint.is_sharded(p)])
-        if path is None:
-            return None
-        state = sharded_checkpoint.train_state(path)
-        return checkpoint.Found(path=path, step=int(state["step"]), state=state, skipped=tuple(skipped))
-
     def stop_for(self, reason: preemption.StopReason) -> None:
         """Checkpoint, then requeue (time limit) or leave it to SLURM (preemption), then exit."""
-        self.save_checkpoint()
+        self.save_checkpoint(blocking=True)
         env, cap = self.rt.env, self.cfg.cluster.max_requeues
         if reason == preemption.StopReason.TIME_LIMIT and env.source == "slurm":
             if env.restart_count >= cap:
@@ -707,6 +682,8 @@ class Trainer:
     def _loop(self, log: RunLog | None, start: float) -> dict[str, Any]:
         cfg, rt = self.cfg, self.rt
         stream, stops = self.batches(), StopPoll(self.stop)
+        if self.resumed_from is not None:  # process start -> first step, the checkpoint's load included
+            self.resumed_from["resume_s"] = time.time() - psutil.Process().create_time()
         window = MetricsWindow(rt, log, self.peaks, self.task.unit,
                                throughput_for(self.strategy.module(self.model), rt.device,
                                               cfg.memory.amp, rt.env.world_size))
@@ -727,6 +704,7 @@ class Trainer:
                     eval_loss, eval_counted = self.evaluate(log)
                 if self.due(cfg.checkpoint.every_steps):
                     self.save_checkpoint()
+                self.checkpointer.poll()  # a background save that failed fails the run here
                 reason = stops.poll()
                 if reason != preemption.StopReason.NONE and not last:
                     stops.drain()
@@ -734,7 +712,7 @@ class Trainer:
         stops.drain()
         if self.eval_ds is not None and not self.due(cfg.eval_every_steps):
             eval_loss, eval_counted = self.evaluate(log)
-        self.save_checkpoint()
+        self.save_checkpoint(blocking=True)  # on disk, whole, before the process can exit
         return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
 
     def evaluate(self, log: RunLog | None) -> tuple[float, int]:
@@ -775,7 +753,8 @@ class Trainer:
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
-            "skipped_nonfinite_steps": self.skipped_steps,
+            "skipped_nonfinite_steps": self.skipped_steps, **self.checkpointer.stats.as_summary(),
+            "resume_s": self.resumed_from["resume_s"] if self.resumed_from else None,
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
 

@@ -1,0 +1,257 @@
+"""One checkpoint interface: save, find the newest good one, load, prune; one implementation per
+format, chosen by the strategy. The trainer calls this and never branches on the format.
+
+- ``SingleFile`` (ddp): rank 0 writes ``step-N.pt`` (``checkpoint``), the model and optimizer state
+  whole. With ``checkpoint.async_save=true`` the step loop waits only for a copy of the state in
+  host memory (into buffers kept across saves, pinned on a GPU); the serialisation, the write, the
+  fsync, the checksum, the atomic publish and the pruning run on a background thread. A save still
+  running when the next is due is waited for; the save at a preemption or at the end is blocking.
+  A background failure (a full disk) is raised at the next step boundary, naming the path.
+- ``Sharded`` (fsdp): every rank writes its shards into ``step-N.dcp/`` (``sharded_checkpoint``),
+  synchronously: its publish gathers every rank's checksums, a collective that must not run on a
+  thread beside the training's own.
+
+Either way a checkpoint appears only when whole, and a process killed at any moment leaves the
+previous checkpoint as the newest good one (the next save removes what the killed one left).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from orchestrator.config import CheckpointConfig
+from orchestrator.training import checkpoint, runtime, sharded_checkpoint
+from orchestrator.training.checkpoint import CheckpointError, Found
+from orchestrator.training.runtime import Runtime
+
+
+@dataclass
+class SaveStats:
+    """What saving cost this run: for summary.json."""
+
+    saves: int = 0
+    blocking_s: float = 0.0  # the step loop's waits: the host copy, and any wait for an earlier save
+    save_s: float = 0.0  # wall time of the saves, start to publish, background included
+    save_s_per_save: list[float] = field(default_factory=list)
+
+    def as_summary(self) -> dict[str, Any]:
+        return {"checkpoint_saves": self.saves, "checkpoint_blocking_s": self.blocking_s,
+                "checkpoint_save_s": self.save_s,
+                "checkpoint_slowest_save_s": max(self.save_s_per_save, default=0.0)}
+
+
+class Checkpointer:
+    """The interface. ``save``, ``find`` and ``load`` are collective: every rank calls them."""
+
+    kind = ""  # the strategy whose checkpoints these are: "ddp" or "fsdp"
+
+    def __init__(self, rt: Runtime, cfg: CheckpointConfig, directory: Path) -> None:
+        self.rt, self.cfg, self.directory = rt, cfg, directory
+        self.stats = SaveStats()
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             train_state: dict[str, Any], *, blocking: bool) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        """Raise a background save's failure (at a step boundary); never waits."""
+
+    def wait(self) -> None:
+        """Wait for a background save; raise its failure."""
+
+    def find(self) -> Found | None:
+        """The newest good checkpoint of ``directory`` (skipping damaged ones, with why), the same
+        on every rank; a checkpoint of the other strategy is refused, naming both."""
+        listed = runtime.broadcast(self.rt, [str(p) for _, p in checkpoint.listed(self.directory)]
+                                   if self.rt.is_main else None)
+        if not listed:
+            return None
+        check_kind(Path(listed[0]), self.kind)
+        return self._find([Path(p) for p in listed])
+
+    def _find(self, listed: list[Path]) -> Found | None:
+        raise NotImplementedError
+
+    def load(self, found: Found, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+
+def check_kind(newest: Path, kind: str) -> None:
+    """The newest checkpoint was written by this strategy: not silently skipped or misread."""
+    written = "fsdp" if sharded_checkpoint.is_sharded(newest) else "ddp"
+    if written != kind:
+        raise CheckpointError(
+            f"cannot resume from {newest}: it was written with parallelism.strategy={written} and "
+            f"this run has parallelism.strategy={kind} (resume with parallelism.strategy={written}, "
+            f"or use a new run directory or checkpoint.dir)")
+
+
+class SingleFile(Checkpointer):
+    kind = "ddp"
+
+    def __init__(self, rt: Runtime, cfg: CheckpointConfig, directory: Path,
+                 module: Callable[[nn.Module], nn.Module]) -> None:
+        super().__init__(rt, cfg, directory)
+        self.module = module  # DDP's wrapper -> the model whose state is saved
+        self.host = HostCopy()
+        self.pending: _Background | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             train_state: dict[str, Any], *, blocking: bool) -> None:
+        started = time.perf_counter()
+        if self.rt.is_main:
+            self.wait()  # one save at a time: the host buffers are the previous save's until it ends
+            state = {**train_state, "model": self.module(model).state_dict(),
+                     "optimizer": optimizer.state_dict()}
+            if blocking or not self.cfg.async_save:
+                checkpoint.save(self.directory, step, state, self.cfg.keep_last)
+                self._record(time.perf_counter() - started)
+            else:
+                self.pending = _Background(self.directory, step, self.host.copy(state),
+                                           self.cfg.keep_last, started)
+        dist.barrier()  # no rank runs ahead of the state being copied (or written, when blocking)
+        self.stats.saves += 1
+        self.stats.blocking_s += time.perf_counter() - started
+
+    def poll(self) -> None:
+        if self.pending is not None and self.pending.done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.join()
+        self._record(pending.seconds)
+        if pending.error is not None:
+            raise CheckpointError(f"the background save of {pending.path} failed: "
+                                  f"{type(pending.error).__name__}: {pending.error}") from pending.error
+
+    def _record(self, seconds: float) -> None:
+        self.stats.save_s += seconds
+        self.stats.save_s_per_save.append(seconds)
+
+    def _find(self, listed: list[Path]) -> Found | None:
+        found = checkpoint.load_latest(self.directory) if self.rt.is_main else None
+        chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
+        if chosen is None:
+            return None
+        return found or checkpoint.load_path(Path(chosen))
+
+    def load(self, found: Found, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module(model).load_state_dict(found.state["model"])
+        optimizer.load_state_dict(found.state["optimizer"])
+
+
+class Sharded(Checkpointer):
+    kind = "fsdp"
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             train_state: dict[str, Any], *, blocking: bool) -> None:
+        started = time.perf_counter()
+        sharded_checkpoint.save(self.directory, step, model, optimizer, train_state)
+        if self.rt.is_main:
+            checkpoint.prune(self.directory, self.cfg.keep_last)
+        dist.barrier()
+        seconds = time.perf_counter() - started
+        self.stats.saves += 1
+        self.stats.blocking_s += seconds
+        self.stats.save_s += seconds
+        self.stats.save_s_per_save.append(seconds)
+
+    def _find(self, listed: list[Path]) -> Found | None:
+        path, skipped = sharded_checkpoint.choose([p for p in listed if sharded_checkpoint.is_sharded(p)])
+        if path is None:
+            return None
+        state = sharded_checkpoint.train_state(path)
+        return Found(path=path, step=int(state["step"]), state=state, skipped=tuple(skipped))
+
+    def load(self, found: Found, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        sharded_checkpoint.load(found.path, model, optimizer)
+
+
+def for_run(strategy_name: str, rt: Runtime, cfg: CheckpointConfig, directory: Path,
+            module: Callable[[nn.Module], nn.Module]) -> Checkpointer:
+    if strategy_name == "fsdp":
+        return Sharded(rt, cfg, directory)
+    return SingleFile(rt, cfg, directory, module)
+
+
+class HostCopy:
+    """A copy of a state dict's tensors in host memory, into buffers kept from one save to the next
+    (pinned on a GPU, so the copies are DMA and run together; one sync at the end). The training
+    may change the originals as soon as ``copy`` returns."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, state: Any) -> Any:
+        copied = self._copy(state, "")
+        if torch.cuda.is_available() and self._any_cuda:
+            torch.cuda.synchronize()  # every non-blocking copy has landed before the thread reads
+        return copied
+
+    _any_cuda = False
+
+    def _copy(self, value: Any, key: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, key)
+        if isinstance(value, dict):
+            # A shallow copy keeps the type and attributes (a state dict's OrderedDict and its
+            # `_metadata`, which load_state_dict reads): the bytes equal a blocking save's.
+            out = copy.copy(value)
+            for k, v in value.items():
+                out[k] = self._copy(v, f"{key}/{k}")
+            return out
+        if isinstance(value, list | tuple):
+            return type(value)(self._copy(v, f"{key}/{i}") for i, v in enumerate(value))
+        return value  # ints, floats, strings, RNG tuples: immutable or rebuilt on every save
+
+    def _tensor(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
+        source = tensor.detach()
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
+                                 pin_memory=source.is_cuda)
+            self.buffers[key] = buffer
+        self._any_cuda = self._any_cuda or source.is_cuda
+        buffer.copy_(source, non_blocking=source.is_cuda)
+        return buffer
+
+
+class _Background:
+    """One save on its own thread: serialise, write, fsync, checksum, publish, prune."""
+
+    def __init__(self, directory: Path, step: int, state: dict[str, Any], keep_last: int,
+                 started: float) -> None:
+        self.path = checkpoint.path_for(directory, step)
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._started = started
+        self._thread = threading.Thread(target=self._run, args=(directory, step, state, keep_last),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, directory: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
+        try:
+            checkpoint.save(directory, step, state, keep_last)
+        except BaseException as e:  # reported by the trainer's thread at the next step boundary
+            self.error = e
+        finally:
+            self.seconds = time.perf_counter() - self._started
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
