@@ -161,24 +161,10 @@ def fsdp(c: Check, gpus: int) -> None:
     c.row("fsdp_bench, 1024 wide, 8 layers", "ok", " ".join(table[2:]))
 
 
-def byte_corpus(path: Path) -> Path:
-    """The standard library's top-level sources as byte tokens, one document per file, EOS 256:
-    what ``jobs.prepare format=text tokenizer=bytes`` writes, without the tokenizers package."""
-    import sysconfig
-
-    import numpy as np
-
-    from sharding import DatasetWriter
-
-    with DatasetWriter(path, attributes={"tokenizer": {"kind": "bytes", "vocab_size": 257, "eos_id": 256,
-                                                       "file": None}}) as writer:
-        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-            data = np.frombuffer(source.read_bytes(), dtype=np.uint8).astype(np.uint16)
-            writer.append({"tokens": np.append(data, np.uint16(256))})
-    return path
-
-
 def causal_lm(c: Check, gpus: int) -> None:
+    sys.path.insert(0, str(ROOT))  # the node's python may have no install of this checkout
+    from corpora import byte_corpus  # bench/, beside this file
+
     data = byte_corpus(c.tmp / "stdlib-bytes")
     for strategy in ("ddp", "fsdp"):
         check = f"causal_lm gpt {strategy} bf16 on {gpus} GPU(s)"

@@ -17,12 +17,11 @@ import json
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from corpora import byte_corpus  # bench/, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,17 +51,6 @@ for step in range(steps):
         loss.item()
 print((steps - log) * B * L / (time.perf_counter() - start))
 """
-
-
-def byte_corpus(path: Path) -> Path:
-    from sharding import DatasetWriter
-
-    with DatasetWriter(path, attributes={"tokenizer": {"kind": "bytes", "vocab_size": 257, "eos_id": 256,
-                                                       "file": None}}) as writer:
-        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-            data = np.frombuffer(source.read_bytes(), dtype=np.uint8).astype(np.uint16)
-            writer.append({"tokens": np.append(data, np.uint16(256))})
-    return path
 
 
 def hand_written(args: argparse.Namespace, data: Path) -> float:
