@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_helpers import release_requeue_hold
 
 from orchestrator.launch import slurm_query
 
@@ -46,20 +47,6 @@ def wait_for_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError(f"{run_dir} never reached step {step}")
-
-
-def release_requeue_hold(job_id: str, timeout_s: float = 120) -> None:
-    """SLURM keeps a requeued job ineligible for ~2 minutes (its own policy, right on a shared
-    cluster); seeing that hold proves the requeue happened, and releasing it keeps the test short."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
-                             text=True).stdout.split()
-        if out[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} was never held for requeue")
 
 
 def summary(run_dir: Path) -> dict:  # type: ignore[type-arg]

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ TWO_NODES = ["cluster=slurm", "parallelism.nodes=2", "parallelism.procs_per_node
 @pytest.fixture
 def registry(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
-
-
-@pytest.fixture
-def queued() -> Iterator[list[str]]:
-    """SLURM job ids a test queued: cancelled at the end, passed or failed."""
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, check=False)
 
 
 def switchyard(env: dict[str, str], cwd: Path, *args: str, timeout_s: float = 300

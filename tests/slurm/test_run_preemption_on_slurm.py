@@ -9,25 +9,18 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from script_helpers import IGNORING_SCRIPT, PREEMPTIBLE_SCRIPT
+from slurm_helpers import release_requeue_hold
 
 from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 
 TWO_NODES = ["cluster=slurm", "parallelism.nodes=2", "parallelism.procs_per_node=1", "cluster.wait=false"]
-
-
-@pytest.fixture
-def queued() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, check=False)
 
 
 def submit(tmp_path: Path, script: str, queued: list[str], *overrides: str) -> tuple[str, Path]:
@@ -50,19 +43,6 @@ def wait_for(path: Path, ok: Callable[[str], bool] = lambda text: True, timeout_
             return
         time.sleep(0.1)
     raise AssertionError(f"{path} never appeared (or never passed its check)")
-
-
-def release_requeue_hold(job_id: str, timeout_s: float = 120) -> None:
-    """SLURM holds a requeued job ~2 minutes (BeginTime); seeing the hold proves the requeue."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
-                             text=True).stdout.split()
-        if out[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} was never held for requeue")
 
 
 def logs(run_dir: Path) -> str:

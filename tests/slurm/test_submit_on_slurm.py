@@ -9,23 +9,15 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from script_helpers import CHECKPOINTABLE_PROGRAM, FUNCTION_PROGRAM
+from slurm_helpers import release_requeue_hold
 
 pytestmark = pytest.mark.slurm
 
 TWO_NODES = ["cluster=slurm", "parallelism.nodes=2", "parallelism.procs_per_node=2"]
-
-
-@pytest.fixture
-def queued() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, check=False)
 
 
 def start(tmp_path: Path, program: str, *overrides: str) -> tuple[subprocess.Popen[str], Path]:
@@ -71,7 +63,7 @@ def test_a_checkpoint_protocol_callable_is_requeued_and_resumes(tmp_path: Path, 
         assert time.monotonic() < deadline, "the function never reached step 20"
         time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    _release_requeue_hold(job_id)
+    release_requeue_hold(job_id)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr[-3000:]
     results = results_of(stdout)
@@ -79,16 +71,3 @@ def test_a_checkpoint_protocol_callable_is_requeued_and_resumes(tmp_path: Path, 
     assert all(r["restart"] == 1 and r["started_at"] >= 20 for r in results), results
     logs = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_0_log.out"))
     assert "checkpoint at step" in logs
-
-
-def _release_requeue_hold(job_id: str, timeout_s: float = 120) -> None:
-    """SLURM holds a requeued job ~2 minutes (BeginTime); seeing the hold proves the requeue."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
-                             text=True).stdout.split()
-        if out[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} was never held for requeue")
