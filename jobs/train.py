@@ -40,7 +40,7 @@ from orchestrator.config import (
 from orchestrator.launch import attach, dist_env, rendezvous, run_lock, submit
 from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
-from orchestrator.training import checks, trainer
+from orchestrator.training import checks, estimate, trainer
 
 register_configs()
 
@@ -83,18 +83,17 @@ def data_paths(cfg: TrainConfig, generate: bool = False) -> trainer.DataPaths:
                              eval=str(evaluation_path) if evaluation_path else None)
 
 
-def check_before_submit(cfg: TrainConfig) -> trainer.DataPaths:
+def check_before_submit(cfg: TrainConfig) -> tuple[trainer.DataPaths, estimate.MemoryReport | None]:
     """Everything that can fail on the nodes and can be known here (``training.checks``), after
-    the demo dataset is generated if it is the one trained on."""
+    the demo dataset is generated if it is the one trained on; and the step's memory estimate."""
     paths = data_paths(cfg, generate=True)
-    checks.check_before_submit(cfg, paths)
-    return paths
+    return paths, checks.check_before_submit(cfg, paths)
 
 
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
     """The sweep launcher runs this on every point before anything is queued (registered below)."""
     typed = load_config(task_cfg)
-    check_before_submit(typed)
+    check_before_submit(typed)  # a point that would not fit its GPU is refused here
     return typed.cluster, typed.parallelism
 
 
@@ -110,13 +109,18 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if launch is not None:
         return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
     print(f"run_dir: {run_dir}", flush=True)
-    paths = check_before_submit(cfg)
+    paths, memory = check_before_submit(cfg)
     run_lock.check_free(run_dir)
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit")
     if cfg.cluster.dry_run:
         print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
               f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
+        if memory is not None:
+            print(f"\n{memory.table()}")
         return None
+    if memory is not None:
+        print(memory.line(), flush=True)
+        estimate.write_report(run_dir, memory)  # rank 0 puts it in summary.json beside the peak
     job = submit.submit(executor, trainer.train_rank, cfg, paths, str(run_dir))
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
@@ -142,7 +146,10 @@ def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, expl
         with trainer.before_rendezvous(launch, run_dir):
             cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
                 cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
-            paths = check_before_submit(cfg)
+            paths, memory = check_before_submit(cfg)
+            if memory is not None:
+                print(memory.line(), flush=True)
+                estimate.write_report(run_dir, memory)
         summary = trainer.train_rank(cfg, paths, str(run_dir))
         return report(summary, run_dir, notes=False)
     # Rank 0 reports what fails before the rendezvous: one copy of the error, not one per rank.

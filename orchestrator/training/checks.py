@@ -16,7 +16,7 @@ from torch import nn
 
 from orchestrator.config import ConfigError, ParallelismConfig, TrainConfig
 from orchestrator.launch import slurm_request, submit
-from orchestrator.training import run_log, strategy
+from orchestrator.training import estimate, run_log, strategy
 from orchestrator.training.tasks import Batch, Task, build_task
 from orchestrator.training.trainer import DataPaths, build_model, model_spec
 from sharding import DatasetError, ShardedDataset, open_dataset
@@ -27,7 +27,9 @@ from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 CPU_EXAMPLE_MAX_PARAMETERS = 50_000_000
 
 
-def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> None:
+def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> estimate.MemoryReport | None:
+    """Raises ConfigError on the first problem; returns the memory estimate (None when
+    ``memory.estimate=off``), which has refused a step too large for the GPU already."""
     task = build_task(cfg.task, cfg.data)
     train = open_checked("data.path", paths.train)
     task.setup(train)
@@ -40,6 +42,7 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> None:
         check_worker_memory(paths, cfg)
     run_log.check_available(cfg.logger)
     check_model(cfg, task, train)
+    memory = estimate.check_memory(cfg, task, train, example_batch(task, train))
     if cfg.cluster.mode == "slurm":
         slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
                             request_keys(cfg.parallelism))
@@ -47,6 +50,7 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> None:
         raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
                           f"{torch.cuda.device_count()})")
+    return memory
 
 
 def open_checked(key: str, path: str) -> ShardedDataset:

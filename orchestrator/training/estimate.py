@@ -96,6 +96,7 @@ class Capacity:
     bytes: int
     name: str  # "H100", "cluster.gpu_mem_gb", "GPU 0 of this machine", "host memory per rank"
     is_gpu: bool
+    has_bf16: bool = True  # False: a V100 (the refusal suggests memory.amp=fp16 instead)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class MemoryReport:
         peak = f"memory: {gib(self.estimate.peak)} peak per rank"
         if self.capacity is None:
             return f"{peak} (estimate; GPU size unknown: set cluster.gpu_mem_gb to check it)"
-        return f"{peak} of {gib(self.capacity.bytes)} on {self.capacity.name} (estimate)"
+        where = f"on {self.capacity.name}" if self.capacity.is_gpu else self.capacity.name
+        return f"{peak} of {gib(self.capacity.bytes)} {where} (estimate)"
 
     def table(self) -> str:
         """The dry run's breakdown: one row per category, then the peak and its share."""
@@ -196,7 +198,10 @@ def estimate_step(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Bat
             for group in optimizer.param_groups:  # as torch picks on CUDA: its temporaries count
                 group["foreach"] = cfg.parallelism.gpus_per_node > 0
             snapshot = tracked_steps(cfg, task, model, optimizer, fake, fsdp)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError, AttributeError) as e:
+    except ConfigError:
+        raise
+    except Exception as e:  # any model's code and torch's fake kernels run here;
+        # check_model already ran this model once, so a failure here only costs the estimate
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EstimateUnavailable(f"the step does not run on fake tensors: {type(e).__name__}: "
                                   f"{first[:200]}") from e
@@ -310,7 +315,7 @@ def gpu_by_name(text: str) -> Capacity | None:
     """The first known GPU named in ``text`` (a GRES like ``gpu:h100:4``, a feature)."""
     for pattern, name, size_gib in GPU_GIB:
         if re.search(pattern, text.lower()):
-            return Capacity(int(size_gib * GIB), name, is_gpu=True)
+            return Capacity(int(size_gib * GIB), name, is_gpu=True, has_bf16=not name.startswith("V100"))
     return None
 
 
@@ -386,7 +391,7 @@ def refusal(cfg: TrainConfig, report: MemoryReport, capacity: Capacity, estimato
 def cheapest_fit(cfg: TrainConfig, capacity: Capacity, estimator: Estimator
                  ) -> tuple[list[str], Estimate] | None:
     """The first of ``options(cfg)`` whose own estimate fits, with it; None if none does."""
-    for overrides, option in options(cfg):
+    for overrides, option in options(cfg, capacity.has_bf16):
         try:
             found = estimator(option)
         except EstimateUnavailable:
@@ -399,10 +404,10 @@ def cheapest_fit(cfg: TrainConfig, capacity: Capacity, estimator: Estimator
 Changes = dict[str, dict[str, Any]]  # config group -> field -> value
 
 
-def options(cfg: TrainConfig) -> Iterator[tuple[list[str], TrainConfig]]:
+def options(cfg: TrainConfig, has_bf16: bool = True) -> Iterator[tuple[list[str], TrainConfig]]:
     """The memory options in the order of their cost, each alone, then added up in that order
     (bf16, + checkpointing, + accumulation, + fsdp): (the overrides, the config they make)."""
-    singles = list(single_options(cfg))
+    singles = list(single_options(cfg, has_bf16))
     for overrides, changes in singles:
         option = apply(cfg, changes)
         if option is not None:
@@ -418,13 +423,14 @@ def options(cfg: TrainConfig) -> Iterator[tuple[list[str], TrainConfig]]:
             yield [f"{key}={value}" for key, value in named.items()], option
 
 
-def single_options(cfg: TrainConfig) -> Iterator[tuple[list[str], Changes]]:
-    """bf16 (free on a GPU that has it), activation checkpointing (one more forward per block),
-    accumulation (half the batch, twice the steps: the same gradient; down to an eighth), fsdp at
-    this world size, then (slurm) on 2, 4 and 8 times the nodes."""
+def single_options(cfg: TrainConfig, has_bf16: bool = True) -> Iterator[tuple[list[str], Changes]]:
+    """bf16 (free on a GPU that has it; fp16 on one that has not), activation checkpointing (one
+    more forward per block), accumulation (half the batch, twice the steps: the same gradient;
+    down to an eighth), fsdp at this world size, then (slurm) on 2, 4 and 8 times the nodes."""
     memory, data, optim, parallelism = cfg.memory, cfg.data, cfg.optim, cfg.parallelism
     if memory.amp == "none":
-        yield ["memory.amp=bf16"], {"memory": {"amp": "bf16"}}
+        amp = "bf16" if has_bf16 else "fp16"
+        yield [f"memory.amp={amp}"], {"memory": {"amp": amp}}
     if not memory.activation_checkpointing:
         yield ["memory.activation_checkpointing=true"], {"memory": {"activation_checkpointing": True}}
     batch, steps = data.batch_size, optim.grad_accum_steps

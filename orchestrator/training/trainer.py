@@ -44,7 +44,7 @@ from orchestrator.telemetry.files import (
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
-from orchestrator.training import checkpoint, checkpointing, preemption, runtime, strategy
+from orchestrator.training import checkpoint, checkpointing, estimate, preemption, runtime, strategy
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
@@ -825,6 +825,7 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
             torch.distributed.barrier()  # every node's sampler has stopped and every peak is written
         if rt.is_main:
             summary["memory"] = summarize(run)
+            summary["memory_estimate"] = estimate.read_report(run)  # jobs.train wrote it
             write_summary(run, summary)
             for flag in summary["memory"]["flags"]:
                 print(f"memory warning: {flag}", flush=True)

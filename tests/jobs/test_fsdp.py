@@ -203,15 +203,19 @@ BUILD_LOGGING_MODEL = '''
 import os
 from pathlib import Path
 
+from torch._subclasses.fake_tensor import is_fake
+
 from jobs.models import RowPoolingMLP
 
 
 class Net(RowPoolingMLP):
-    """The built-in MLP, noting where each build put its weights: <pid>-<device type>."""
+    """The built-in MLP, noting where each build put its weights: <pid>-<device type>, or fake (the
+    submitting side's memory estimate: fake tensors hold no memory)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        (Path(os.environ["BUILD_LOG"]) / f"{os.getpid()}-{self.head.weight.device.type}").touch()
+        where = "fake" if is_fake(self.head.weight) else self.head.weight.device.type
+        (Path(os.environ["BUILD_LOG"]) / f"{os.getpid()}-{where}").touch()
 '''
 
 

@@ -213,3 +213,11 @@ def test_memory_estimate_and_gpu_mem_gb_are_checked_naming_the_fix() -> None:
         compose_config(["memory.estimate=maybe"])
     with pytest.raises(ConfigError, match=r"cluster.gpu_mem_gb=0.0 is invalid: must be > 0"):
         compose_config(["cluster.gpu_mem_gb=0"])
+
+
+def test_a_gpu_without_bf16_is_offered_fp16() -> None:
+    cfg = compose_config(["parallelism=gpu"])
+    v100 = estimate.gpu_by_name("gpu:v100:4")
+    assert v100 is not None and not v100.has_bf16
+    assert next(estimate.options(cfg, v100.has_bf16))[0] == ["memory.amp=fp16"]
+    assert next(estimate.options(cfg))[0] == ["memory.amp=bf16"]

@@ -1,0 +1,99 @@
+"""The memory estimate at submission: a step too large for the GPU is refused before anything is
+queued, naming an option whose own estimate fits; every submission prints one line; summary.json
+keeps the estimate beside the measured peak. On the SLURM cluster:
+tests/slurm/test_memory_estimate_on_slurm.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import cast
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from jobs import train
+from orchestrator.config import ConfigError, TrainConfig
+from orchestrator.training import checks, estimate
+from orchestrator.training.estimate import FIT_FRACTION, GIB
+from orchestrator.training.tasks import build_task
+from sharding import open_dataset
+
+SMALL = ["model=transformer", "data.demo_num_samples=256", "data.batch_size=32"]
+ON_A_GPU = ["parallelism.gpus_per_node=1"]  # cluster=local: the size comes from cluster.gpu_mem_gb
+
+
+def config(cache: Path, *overrides: str) -> TrainConfig:
+    with initialize_config_module("conf", version_base="1.3"):
+        composed = compose("train", overrides=[*SMALL, f"data.cache_dir={cache}", *overrides])
+    return cast(TrainConfig, OmegaConf.to_object(composed))
+
+
+def memory_check(cfg: TrainConfig) -> estimate.MemoryReport | None:
+    """What check_before_submit runs; called alone where its later GPU-count check would refuse
+    ``parallelism.gpus_per_node=1`` on this machine."""
+    ds = open_dataset(train.data_paths(cfg, generate=True).train)
+    task = build_task(cfg.task, cfg.data)
+    task.setup(ds)
+    return estimate.check_memory(cfg, task, ds, checks.example_batch(task, ds))
+
+
+def peak_of(cfg: TrainConfig) -> int:
+    found = memory_check(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, estimate="warn")))
+    assert found is not None and found.estimate is not None
+    return found.estimate.peak
+
+
+def suggested(error: str) -> list[str]:
+    found = re.search(r"\(try (.+), or memory\.estimate=warn to submit anyway\)", error)
+    assert found, error
+    return found.group(1).split()
+
+
+def test_a_step_too_large_for_the_gpu_is_refused_naming_an_option_that_fits(tmp_path: Path) -> None:
+    peak = peak_of(config(tmp_path, *ON_A_GPU))
+    gpu_gib = peak * 0.9 / GIB  # the step needs 111% of it
+    with pytest.raises(ConfigError) as refused:
+        train.check_before_submit(config(tmp_path, *ON_A_GPU, f"cluster.gpu_mem_gb={gpu_gib}"))
+    message = str(refused.value)
+    assert message.startswith(f"memory: the estimated peak is {estimate.gib(peak)} per rank, above 95% of "
+                              f"the {estimate.gib(gpu_gib * GIB)} of cluster.gpu_mem_gb=")
+    assert "nothing was queued; the cheapest option that fits: memory.amp=bf16" in message
+    option = config(tmp_path, *ON_A_GPU, f"cluster.gpu_mem_gb={gpu_gib}", *suggested(message))
+    assert peak_of(option) <= FIT_FRACTION * gpu_gib * GIB  # the named option's own estimate fits
+
+
+def test_when_no_single_option_fits_the_options_are_added_up(tmp_path: Path) -> None:
+    peak = peak_of(config(tmp_path, *ON_A_GPU))
+    gpu_gib = peak * 0.2 / GIB  # bf16, checkpointing, accumulation to an eighth: none fits alone
+    with pytest.raises(ConfigError) as refused:
+        train.check_before_submit(config(tmp_path, *ON_A_GPU, f"cluster.gpu_mem_gb={gpu_gib}"))
+    overrides = suggested(str(refused.value))
+    assert len(overrides) > 1 and overrides[0] == "memory.amp=bf16", overrides
+    assert peak_of(config(tmp_path, *ON_A_GPU, *overrides)) <= FIT_FRACTION * gpu_gib * GIB
+
+
+def test_warn_and_off_let_the_submission_go_on(tmp_path: Path) -> None:
+    tiny = "cluster.gpu_mem_gb=0.0001"
+    report = memory_check(config(tmp_path, *ON_A_GPU, tiny, "memory.estimate=warn"))
+    assert report is not None and report.fraction is not None and report.fraction > 1
+    assert memory_check(config(tmp_path, *ON_A_GPU, tiny, "memory.estimate=off")) is None
+
+
+def test_a_run_prints_the_line_and_its_summary_keeps_the_estimate_beside_the_peak(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", *SMALL, "optim.max_steps=2",
+                           "telemetry.enabled=false", f"data.cache_dir={tmp_path / 'cache'}",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^memory: [\d.]+ MiB peak per rank of [\d.]+ GiB host memory per rank \(estimate\)$",
+                     proc.stdout, re.MULTILINE), proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    found = summary["memory_estimate"]
+    assert found["estimate_bytes"]["peak"] > 0 and found["capacity_name"] == "host memory per rank"
+    assert len(summary["peak_mem_bytes_per_rank"]) == 2  # the measured peak, beside it
