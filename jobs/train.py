@@ -113,10 +113,10 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     run_lock.check_free(run_dir)
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit")
     if cfg.cluster.dry_run:
+        if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
+            print(f"{memory.table()}\n")
         print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
               f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
-        if memory is not None:
-            print(f"\n{memory.table()}")
         return None
     if memory is not None:
         print(memory.line(), flush=True)
