@@ -47,6 +47,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore  # with torch's "fake" backend
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, TrainConfig
@@ -198,7 +199,7 @@ def estimate_step(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Bat
             for group in optimizer.param_groups:  # as torch picks on CUDA: its temporaries count
                 group["foreach"] = cfg.parallelism.gpus_per_node > 0
             snapshot = tracked_steps(cfg, task, model, optimizer, fake, fsdp)
-    except ConfigError:
+    except (ConfigError, EstimateUnavailable):
         raise
     except Exception as e:  # any model's code and torch's fake kernels run here;
         # check_model already ran this model once, so a failure here only costs the estimate
@@ -217,9 +218,7 @@ def fake_world(world_size: int) -> Iterator[DeviceMesh | None]:
         yield None
         return
     if dist.is_initialized():
-        raise EstimateUnavailable("a process group already runs in this process")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers nothing else
-
+        raise EstimateUnavailable("a process group already runs here, in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads its ranks
@@ -417,7 +416,9 @@ def options(cfg: TrainConfig, has_bf16: bool = True) -> Iterator[tuple[list[str]
     for i, (overrides, changes) in enumerate(singles):
         for group, values in changes.items():
             merged.setdefault(group, {}).update(values)
-        named.update(o.split("=", 1) for o in overrides)  # type: ignore[misc]  # key=value pairs
+        for override in overrides:
+            key, _, value = override.partition("=")
+            named[key] = value
         option = apply(cfg, merged)
         if i > 0 and option is not None:
             yield [f"{key}={value}" for key, value in named.items()], option

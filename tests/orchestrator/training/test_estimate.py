@@ -221,3 +221,14 @@ def test_a_gpu_without_bf16_is_offered_fp16() -> None:
     assert v100 is not None and not v100.has_bf16
     assert next(estimate.options(cfg, v100.has_bf16))[0] == ["memory.amp=fp16"]
     assert next(estimate.options(cfg))[0] == ["memory.amp=bf16"]
+
+
+def test_fsdp_is_not_estimated_inside_a_running_process_group(cache: Path) -> None:
+    cfg, task, ds, example = setup([*SMALL, f"data.cache_dir={cache}", *CPU_CONFIGS["fsdp, world 2"]])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(estimate.EstimateUnavailable, match=r"^a process group already runs here"):
+            estimate.estimate_step(cfg, task, ds, example)
+    finally:
+        dist.destroy_process_group()
+    assert estimate.estimate_step(cfg, task, ds, example).peak > 0  # and the fake group is gone again
