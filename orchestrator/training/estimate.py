@@ -33,7 +33,7 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -328,13 +328,15 @@ def partition_gres(partition: str | None) -> list[str]:
     return sorted({line.strip() for line in out.splitlines() if "gpu" in line})
 
 
-def local_gpu(count: int) -> Capacity | None:
-    """The smallest of the first ``count`` GPUs this process sees, through NVML."""
-    api = nvml.load_nvml()
+def local_gpu(count: int, api: nvml.NvmlApi | nvml.NvmlChoice | None = "auto",
+              environ: Mapping[str, str] = os.environ) -> Capacity | None:
+    """The smallest of the first ``count`` GPUs this process sees, through NVML (``api``: tests
+    inject a scripted one)."""
+    api = nvml.resolve_nvml(api)
     if api is None:
         return None
     try:
-        indices = [i for i in nvml.visible_gpus(api, os.environ)[:count] if i is not None]
+        indices = [i for i in nvml.visible_gpus(api, environ)[:count] if i is not None]
         sizes = [int(api.nvmlDeviceGetMemoryInfo(api.nvmlDeviceGetHandleByIndex(i)).total)
                  for i in indices]
     except nvml.NVML_ERRORS:

@@ -14,6 +14,7 @@ from typing import cast
 import pytest
 import torch
 import torch.distributed as dist
+from fake_nvml import NO_ENV, FakeGpu, FakeNvml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel
@@ -232,3 +233,12 @@ def test_fsdp_is_not_estimated_inside_a_running_process_group(cache: Path) -> No
     finally:
         dist.destroy_process_group()
     assert estimate.estimate_step(cfg, task, ds, example).peak > 0  # and the fake group is gone again
+
+
+def test_on_this_machine_the_smallest_visible_gpu_counts() -> None:
+    gpus = [FakeGpu(used=[0], util=[0], total=24 * GIB), FakeGpu(used=[0], util=[0], total=16 * GIB),
+            FakeGpu(used=[0], util=[0], total=8 * GIB)]
+    assert estimate.local_gpu(2, FakeNvml(gpus), NO_ENV) == Capacity(16 * GIB, "GPU 1 of this machine", True)
+    assert estimate.local_gpu(1, FakeNvml(gpus), {"CUDA_VISIBLE_DEVICES": "2"}) == \
+        Capacity(8 * GIB, "GPU 2 of this machine", True)
+    assert estimate.local_gpu(1, None) is None  # no driver: unknown, nothing refused
