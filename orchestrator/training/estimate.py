@@ -183,9 +183,29 @@ def pad_rows(value: torch.Tensor, length: int) -> torch.Tensor:
 # The step on fake tensors
 
 
+# Estimates by what they depend on (``memo_key``): a sweep's points are checked in one process
+# and mostly differ in keys such as optim.lr, so each distinct step runs once (3-5 s for a large one).
+_ESTIMATES: dict[str, Estimate] = {}
+
+
+def memo_key(cfg: TrainConfig, ds: ShardedDataset) -> str:
+    """Everything the step's memory depends on: not the learning rate, seed, cluster or logging."""
+    optim = (cfg.optim.name, cfg.optim.grad_accum_steps)
+    return repr((cfg.model, cfg.task, cfg.data, cfg.parallelism, cfg.memory.amp,
+                 cfg.memory.activation_checkpointing, optim, str(ds.root), ds.fingerprint))
+
+
 def estimate_step(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> Estimate:
-    """The peak per rank of one steady training step of ``cfg`` (see the module's docstring).
-    Raises EstimateUnavailable when the step cannot run on fake tensors."""
+    """The peak per rank of one steady training step of ``cfg`` (see the module's docstring),
+    remembered for this process. Raises EstimateUnavailable when the step cannot run on fake
+    tensors."""
+    key = memo_key(cfg, ds)
+    if key not in _ESTIMATES:
+        _ESTIMATES[key] = run_estimate(cfg, task, ds, example)
+    return _ESTIMATES[key]
+
+
+def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> Estimate:
     batch = largest_batch(example, ds, cfg.data.batch_size)
     kwargs = task.model_kwargs(ds)
     fsdp = cfg.parallelism.strategy == "fsdp"

@@ -225,7 +225,9 @@ def test_a_gpu_without_bf16_is_offered_fp16() -> None:
 
 
 def test_fsdp_is_not_estimated_inside_a_running_process_group(cache: Path) -> None:
-    cfg, task, ds, example = setup([*SMALL, f"data.cache_dir={cache}", *CPU_CONFIGS["fsdp, world 2"]])
+    # a batch size no other test estimates: estimates are remembered per process
+    cfg, task, ds, example = setup([*SMALL, f"data.cache_dir={cache}", *CPU_CONFIGS["fsdp, world 2"],
+                                    "data.batch_size=24"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(estimate.EstimateUnavailable, match=r"^a process group already runs here"):
@@ -242,3 +244,10 @@ def test_on_this_machine_the_smallest_visible_gpu_counts() -> None:
     assert estimate.local_gpu(1, FakeNvml(gpus), {"CUDA_VISIBLE_DEVICES": "2"}) == \
         Capacity(8 * GIB, "GPU 2 of this machine", True)
     assert estimate.local_gpu(1, None) is None  # no driver: unknown, nothing refused
+
+
+def test_a_sweep_runs_each_distinct_step_once(cache: Path) -> None:
+    first = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "optim.lr=1e-3"]))
+    again = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "optim.lr=1e-2", "seed=3"]))
+    other = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "data.batch_size=8"]))
+    assert again is first and other is not first and other.peak < first.peak
