@@ -190,7 +190,7 @@ _ESTIMATES: dict[str, Estimate] = {}
 
 def memo_key(cfg: TrainConfig, ds: ShardedDataset) -> str:
     """Everything the step's memory depends on: not the learning rate, seed, cluster or logging."""
-    optim = (cfg.optim.name, cfg.optim.grad_accum_steps)
+    optim = (cfg.optim.name, cfg.optim.momentum, cfg.optim.grad_accum_steps)  # SGD momentum 0: no state
     return repr((cfg.model, cfg.task, cfg.data, cfg.parallelism, cfg.memory.amp,
                  cfg.memory.activation_checkpointing, optim, str(ds.root), ds.fingerprint))
 
