@@ -97,3 +97,25 @@ def test_a_run_prints_the_line_and_its_summary_keeps_the_estimate_beside_the_pea
     found = summary["memory_estimate"]
     assert found["estimate_bytes"]["peak"] > 0 and found["capacity_name"] == "host memory per rank"
     assert len(summary["peak_mem_bytes_per_rank"]) == 2  # the measured peak, beside it
+
+
+HOST_READING_MODEL = '''
+from jobs.models import RowPoolingMLP
+
+
+class Net(RowPoolingMLP):
+    """Reads a value on the host each step: no fake (or meta) tensor can answer that."""
+
+    def forward(self, x, mask):
+        out = super().forward(x, mask)
+        return out * 0 if float(out.detach().abs().max()) > 1e9 else out
+'''
+
+
+def test_a_model_that_reads_values_on_the_host_is_submitted_unestimated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "host_reading.py").write_text(HOST_READING_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = memory_check(config(tmp_path, "model=custom", "model._target_=host_reading.Net"))
+    assert report is not None and report.estimate is None
+    assert report.line().startswith("memory: not estimated (the step does not run on fake tensors: ")
