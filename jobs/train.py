@@ -176,6 +176,8 @@ def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[s
               f"skipped (optim.on_nonfinite=skip): steps {skipped[:10]}", file=sys.stderr)
     if notes and summary.get("resumed_from"):
         print(f"resumed from {summary['resumed_from']['path']} at step {summary['resumed_from']['step']}")
+    if (calibrated := estimate.calibration(summary)) is not None:  # every GPU run checks the estimate
+        print(calibrated)
     print(f"summary: {run_dir / 'summary.json'}")
     print(json.dumps({k: summary[k] for k in ("world_size", "steps", "samples_per_rank",
                                               "final_train_loss", "final_eval_loss",

@@ -142,6 +142,7 @@ class MemoryReport:
         return {"estimate_bytes": self.estimate.as_dict() if self.estimate else None,
                 "capacity_bytes": self.capacity.bytes if self.capacity else None,
                 "capacity_name": self.capacity.name if self.capacity else None,
+                "on_gpu": self.capacity.is_gpu if self.capacity else None,
                 "fraction": self.fraction, "unavailable": self.unavailable}
 
 
@@ -501,3 +502,16 @@ def read_report(run_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return found if isinstance(found, dict) else None
+
+
+def calibration(summary: dict[str, Any]) -> str | None:
+    """A GPU run's estimate beside its measured peak (the largest rank's allocated bytes), for the
+    end of the run; None on CPU, where the measured peak is the process's RSS and not comparable."""
+    found = summary.get("memory_estimate") or {}
+    measured = [p for p in summary.get("peak_mem_bytes_per_rank") or [] if p]
+    if not found.get("on_gpu") or not found.get("estimate_bytes") or not measured:
+        return None
+    peak = found["estimate_bytes"]["peak"]
+    return (f"memory: estimated {gib(peak)} per rank, measured {gib(max(measured))} (max allocated): "
+            f"estimate / measured = {peak / max(measured):.2f}")
+

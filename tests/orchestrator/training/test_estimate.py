@@ -251,3 +251,14 @@ def test_a_sweep_runs_each_distinct_step_once(cache: Path) -> None:
     again = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "optim.lr=1e-2", "seed=3"]))
     other = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", "data.batch_size=8"]))
     assert again is first and other is not first and other.peak < first.peak
+
+
+def test_a_gpu_run_ends_with_its_estimate_beside_the_measured_peak() -> None:
+    found = Estimate(GIB, GIB, 2 * GIB, 10 * GIB, GIB, 15 * GIB)
+    report = MemoryReport(found, Capacity(80 * GIB, "H100", True))
+    summary = {"memory_estimate": report.as_dict(), "peak_mem_bytes_per_rank": [16 * GIB, 15 * GIB]}
+    assert estimate.calibration(summary) == \
+        "memory: estimated 15.0 GiB per rank, measured 16.0 GiB (max allocated): estimate / measured = 0.94"
+    on_cpu = MemoryReport(report.estimate, Capacity(8 * GIB, "host memory per rank", False))
+    assert estimate.calibration({**summary, "memory_estimate": on_cpu.as_dict()}) is None  # RSS there
+    assert estimate.calibration({"peak_mem_bytes_per_rank": [GIB]}) is None  # memory.estimate=off
