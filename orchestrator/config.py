@@ -545,6 +545,9 @@ class MemoryConfig:
 
     amp: str = "none"  # none | bf16 (autocast) | fp16 (autocast + grad scaler)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # fp32 matmuls and convolutions on TF32 tensor cores (A100 and later: ~8x FP32's throughput,
+    # a 10-bit mantissa per product, fp32 accumulation). false: full FP32. GPU ranks only.
+    tf32: bool = True
     # The peak memory per rank, estimated before submission (training/estimate.py). check: a step
     # above 95% of the GPU is refused, naming the cheapest option that fits; warn: shown only; off.
     estimate: str = "check"

@@ -55,6 +55,16 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
     return Runtime(env=env, device=device, backend=backend)
 
 
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """``memory.tf32``: fp32 matmuls and convolutions on a GPU rank run on TF32 tensor cores (torch
+    leaves cuBLAS's off, so every fp32 GEMM on an A100 or H100 ran at plain FP32 speed). A CPU rank
+    is left alone: torch's float32 matmul precision also steers oneDNN on CPUs that have bf16."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 # cuBLAS's deterministic workspace: 8 buffers of 4 MiB (":16:8", 8 of 16 KiB, is slower)
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 

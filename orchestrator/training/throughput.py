@@ -12,26 +12,27 @@ from collections.abc import Callable
 
 import torch
 
-# TFLOP/s per GPU, dense. "fp32" is plain FP32: Switchyard does not turn TF32 on.
+# TFLOP/s per GPU, dense. An fp32 run uses "tf32" under memory.tf32=true (the default), plain
+# "fp32" otherwise.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0},  # SXM
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0},
 }
 
 
-def peak_tflops(device_name: str, amp: str) -> float | None:
+def peak_tflops(device_name: str, amp: str, tf32: bool = False) -> float | None:
     """The peak of a GPU whose name contains a key of the table (the longest match), or None."""
-    precision = "fp32" if amp == "none" else amp
+    precision = ("tf32" if tf32 else "fp32") if amp == "none" else amp
     matches = [key for key in PEAK_TFLOPS if all(part in device_name for part in key.split())]
     if not matches:
         return None
     return PEAK_TFLOPS[max(matches, key=len)].get(precision)
 
 
-def throughput_for(model: torch.nn.Module, device: torch.device, amp: str, world_size: int
-                   ) -> Callable[[float], dict[str, float | None]]:
+def throughput_for(model: torch.nn.Module, device: torch.device, amp: str, world_size: int,
+                   tf32: bool = False) -> Callable[[float], dict[str, float | None]]:
     """A function of the global units (tokens) per second -> ``model_tflops_per_s`` (all ranks
     together) and ``mfu`` (that over the peak of every rank's GPU); nothing for a model that
     states no FLOPs."""
@@ -42,7 +43,7 @@ def throughput_for(model: torch.nn.Module, device: torch.device, amp: str, world
     if not callable(flops):
         return lambda rate: {}
     per_token = float(flops())
-    peak = peak_tflops(torch.cuda.get_device_name(device), amp) if device.type == "cuda" else None
+    peak = peak_tflops(torch.cuda.get_device_name(device), amp, tf32) if device.type == "cuda" else None
 
     def measure(tokens_per_s: float) -> dict[str, float | None]:
         achieved = per_token * tokens_per_s / 1e12

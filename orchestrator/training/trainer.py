@@ -686,7 +686,7 @@ class Trainer:
             self.resumed_from["resume_s"] = time.time() - psutil.Process().create_time()
         window = MetricsWindow(rt, log, self.peaks, self.task.unit,
                                throughput_for(self.strategy.module(self.model), rt.device,
-                                              cfg.memory.amp, rt.env.world_size))
+                                              cfg.memory.amp, rt.env.world_size, cfg.memory.tf32))
         eval_loss, eval_counted = float("nan"), 0
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not rt.is_main, dynamic_ncols=True) as bar:
@@ -814,6 +814,7 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s, cuda_uuids=uuids) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
+    runtime.set_tf32(rt.device, cfg.memory.tf32)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:
         with pulse:

@@ -104,6 +104,22 @@ def test_the_fixed_denominator_is_the_tasks_unit() -> None:
     assert Task(DataConfig()).denominator(32) == 32
 
 
+def test_tf32_is_set_on_gpu_ranks_only() -> None:
+    """memory.tf32 (default true): torch leaves cuBLAS's TF32 off, so fp32 GEMMs on an A100 or H100
+    ran at plain FP32 speed. A CPU rank keeps torch's settings (they also steer oneDNN)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        runtime.set_tf32(torch.device("cpu"), True)
+        assert not torch.backends.cuda.matmul.allow_tf32
+        runtime.set_tf32(torch.device("cuda", 0), True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        runtime.set_tf32(torch.device("cuda", 0), False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def test_gpt_activation_checkpointing_leaves_gradients_unchanged() -> None:
     torch.manual_seed(0)
     plain = GPT(vocab_size=11, seq_len=6, d_model=16, num_heads=2, num_layers=2)
@@ -137,4 +153,5 @@ def test_mfu_is_null_where_the_peak_is_unknown_never_a_made_up_ratio() -> None:
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "none") == 19.5
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "none", tf32=True) == 156.0
     assert peak_tflops("Tesla T4", "bf16") is None
