@@ -38,14 +38,24 @@ pytest: venv
 
 test: lint typecheck cluster-up pytest
 
-# On a GPU node: its own python with torch (no venv, no package index needed). The pure-Python
-# packages it may lack come from GPU_DEPS, filled by `make gpu-deps` wherever PyPI is reachable.
+# On a GPU node: its own python with torch and numpy (no venv, no package index needed). Everything
+# else jobs.train imports comes from GPU_DEPS, filled by `make gpu-deps` wherever PyPI is reachable:
+# wheels for the node's python (GPU_PY_VERSION; the lent H100s run 3.12) with what they need, never
+# torch or numpy (the node's own must win). antlr4 4.9.3 is pure Python and published as a source
+# archive only, so it is built here for any version.
 GPU_PY ?= python3
 GPU_DEPS ?= .gpu-deps
-GPU_DEP_PINS ?= submitit hydra-core omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+GPU_PY_VERSION ?= $(shell $(GPU_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
+GPU_WHEELS ?= submitit cloudpickle typing_extensions hydra-core omegaconf==2.3.0 PyYAML packaging \
+	nvidia-ml-py xxhash tqdm psutil pytest pluggy iniconfig pytest-timeout
 
 gpu-deps:
-	python3 -m pip install -q --no-deps --no-compile --target $(GPU_DEPS) $(GPU_DEP_PINS)
+	rm -rf $(GPU_DEPS)
+	python3 -m pip install -q --no-deps --no-compile --target $(GPU_DEPS) antlr4-python3-runtime==4.9.3
+	python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --implementation cp \
+		--python-version $(GPU_PY_VERSION) $(GPU_PLATFORMS) --target $(GPU_DEPS) $(GPU_WHEELS)
 
 gpu-check:
 	PYTHONPATH=$(abspath $(GPU_DEPS))$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)

@@ -62,7 +62,8 @@ class Check:
     def train(self, name: str, *overrides: str, run_dir: Path | None = None
               ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None, Path]:
         run_dir = run_dir or self.tmp / re.sub(r"\W+", "-", name)
-        proc = self.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", *overrides,
+        # logger=jsonl: a node's bare python has no tensorboard, and make gpu-deps brings none
+        proc = self.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", "logger=jsonl", *overrides,
                          f"data.cache_dir={self.tmp / 'cache'}", f"hydra.run.dir={run_dir}"])
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if proc.returncode == 0 and summary_path.exists() \
