@@ -37,7 +37,7 @@ from orchestrator.config import (
     register_configs,
     unknown_keys,
 )
-from orchestrator.launch import attach, dist_env, rendezvous, run_lock, submit
+from orchestrator.launch import attach, dist_env, provenance, rendezvous, run_lock, snapshot, submit
 from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import checks, estimate, trainer
@@ -111,7 +111,8 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     print(f"run_dir: {run_dir}", flush=True)
     paths, memory = check_before_submit(cfg)
     run_lock.check_free(run_dir)
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit")
+    code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
     if cfg.cluster.dry_run:
         if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
             print(f"{memory.table()}\n")

@@ -127,6 +127,30 @@ class ParallelismConfig:
 NEVER_STARTS = ("cancel", "keep")
 
 
+# Never copied into a snapshot (a Python package, a directory with __init__.py, is kept whatever its name).
+SNAPSHOT_EXCLUDES: tuple[str, ...] = (".git", "__pycache__", "*.pyc", ".venv", "*.egg-info", "data",
+                                     "checkpoints", "outputs", "multirun", ".pytest_cache", ".mypy_cache",
+                                     ".ruff_cache")
+
+
+@dataclass
+class SnapshotConfig:
+    """The code a SLURM job imports, copied when it is queued (``orchestrator/launch/snapshot.py``):
+    a job that waits in the queue runs the code it was submitted with, not today's working tree."""
+
+    enabled: bool = True  # false: the job imports whatever is in the working tree when it starts
+    include: list[str] = field(default_factory=list)  # further directories or files to copy, by path
+    exclude: list[str] = field(default_factory=lambda: list(SNAPSHOT_EXCLUDES))  # names (globs) never copied
+    max_mb: float = 100.0  # a snapshot larger than this is refused, naming its largest files
+    dir: str | None = None  # the store; null: ~/.cache/switchyard/snapshots (must be shared with the nodes)
+
+    def __post_init__(self) -> None:
+        check_floats(self, "cluster.snapshot.")
+        if not self.max_mb > 0:
+            raise invalid("cluster.snapshot.max_mb", self.max_mb, "must be > 0 (MiB)",
+                          "cluster.snapshot.max_mb=100")
+
+
 @dataclass
 class ClusterConfig:
     """Where the job runs. ``debug``: in this process; ``local``: N processes here; ``slurm``."""
@@ -154,6 +178,7 @@ class ClusterConfig:
     dependency: str | None = None  # sbatch --dependency, e.g. afterok:1234 (prepare -> train -> eval)
     rendezvous_timeout_s: float = 180.0  # how long ranks wait to find rank 0 before failing
     collective_timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # slurm: the code the job runs
 
     def __post_init__(self) -> None:
         check_floats(self, "cluster.")
@@ -568,6 +593,9 @@ class CheckpointConfig:
     # ddp: the loop waits only for a host copy of the state; the write runs in the background.
     # The save at a preemption or at the end is always blocking and complete before the exit.
     async_save: bool = True
+    # A resume under other code than the checkpoint was written with is refused; true lets it go
+    # on (an intended fix), and the change is recorded in summary.json.
+    allow_code_change: bool = False
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:

@@ -21,7 +21,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, sbatch_option
-from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query, slurm_request
+from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query, slurm_request, snapshot
 
 R = TypeVar("R")
 
@@ -62,8 +62,9 @@ class SubmissionError(ConfigError):
 
 
 def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
-                  folder: Path) -> submitit.Executor:
-    """The executor for ``cluster.mode``; one task per GPU, or per process on CPU."""
+                  folder: Path, code: snapshot.Snapshot | None = None) -> submitit.Executor:
+    """The executor for ``cluster.mode``; one task per GPU, or per process on CPU. On SLURM, with
+    ``code``, every rank imports from that snapshot (``snapshot.setup_lines``)."""
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
@@ -73,6 +74,8 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     check_log_folder(folder)
     slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     slurm.update_parameters(**slurm_parameters(cluster, parallelism))
+    if code is not None:
+        slurm.update_parameters(setup=[*snapshot.setup_lines(code), *cluster.setup])
     return slurm
 
 
@@ -163,7 +166,22 @@ class RankEntry:
         env = dist_env.detect()
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
                                  local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
+        if snapshot.current() is not None:
+            print(code_banner(), flush=True)
+            # It kept the job's directory from shadowing the snapshot in this process; a command
+            # this rank starts (switchyard run) gets its script's directory on sys.path as usual.
+            os.environ.pop("PYTHONSAFEPATH", None)
         return self.fn(*args, **kwargs)
+
+
+def code_banner() -> str:
+    """Where this rank's Switchyard code came from: the snapshot, or (a misconfigured PYTHONPATH
+    that put a checkout first) a warning that names the directory it really came from."""
+    snap, root = snapshot.current(), snapshot.own_root()
+    if snap is not None and snapshot.imported_from(__file__):
+        return f"switchyard: code snapshot {snap.hash[:16]} ({root})"
+    return (f"switchyard: warning: the code snapshot is {snap.path if snap else None}, but orchestrator "
+            f"was imported from {root}: something on PYTHONPATH comes before it")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import submitit
 from omegaconf import OmegaConf
 
 from orchestrator import atomic
-from orchestrator.launch import dist_env, local_jobs, rank_env, run_lock, submit
+from orchestrator.launch import dist_env, local_jobs, provenance, rank_env, run_lock, submit
 from orchestrator.scripts import job as run_job
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
@@ -216,9 +216,11 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     run_lock.check_free(run)
     spec = FunctionSpec(str(run), cfg.parallelism.gpus_per_node, cfg.cluster.max_requeues,
                         cfg.cluster.rendezvous_timeout_s, cfg.telemetry.enabled, cfg.telemetry.interval_s)
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run / "submitit")
-    job = submit.submit(executor, function_rank(fn, spec), *args, **kwargs)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    module = getattr(fn, "__module__", None) or "__main__"  # __main__ is pickled by value
+    code = provenance.at_submission(cfg.cluster, [] if module == "__main__" else [module], run, config_yaml)
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run / "submitit", code)
+    job = submit.submit(executor, function_rank(fn, spec), *args, **kwargs)
     atomic.write_text(run / "config.yaml", config_yaml)
     name = getattr(fn, "__qualname__", type(fn).__qualname__)
     recorded = single.record_submitted(APP, f"{name} {' '.join(overrides)}".strip(), job, run,

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_app_check
-from orchestrator.launch import dist_env, rank_env, run_lock, slurm_request, submit
+from orchestrator.launch import dist_env, provenance, rank_env, run_lock, slurm_request, submit
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
 from orchestrator.sweeps import single
@@ -150,7 +150,8 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     if cfg.cluster.mode == "debug":
         with rank.redirected_signals():
             return report([rank.run_rank(spec, str(run_dir))], run_dir)
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit")
+    code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml)
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
     if cfg.cluster.dry_run:
         print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
               f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")

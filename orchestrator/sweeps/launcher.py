@@ -43,8 +43,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, app_check
-from orchestrator.launch import dist_env, local_jobs, slurm_query
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, SnapshotConfig, app_check
+from orchestrator.launch import dist_env, local_jobs, provenance, slurm_query, snapshot
 from orchestrator.sweeps.registry import (
     RETRY_STATES,
     Job,
@@ -194,6 +194,7 @@ class Point:
     resources: Resources
     is_ddp: bool  # has cluster/parallelism groups: every task is a rank, SWITCHYARD_IN_JOB=1
     total_steps: int | None  # optim.max_steps, for progress
+    code: snapshot.Snapshot | None = None  # the code snapshot its job imports (slurm)
 
     @property
     def name(self) -> str:
@@ -307,6 +308,35 @@ def resolve_point(config: DictConfig, num: int, sweep_dir: Path) -> Path:
     finally:
         HydraConfig.instance().cfg = previous
     return run_dir
+
+
+def take_snapshots(points: Sequence[Point]) -> None:
+    """Each SLURM point's code snapshot, its ranks pointed at it through the array's setup lines
+    (kept in the registry's resources, so ``resubmit`` runs the same code). Points that name the
+    same code share one snapshot, taken once: a 1,000-point sweep hashes its files once."""
+    taken: dict[str, snapshot.Snapshot] = {}
+    for p in points:
+        config = snapshot_config(p.task_cfg)
+        if p.resources.executor != "slurm" or not config.enabled:
+            continue
+        targets = snapshot.targets(p.task_cfg)
+        key = json.dumps([asdict(config), targets])
+        if key not in taken:
+            try:
+                taken[key] = snapshot.take(config, targets)
+            except ConfigError as e:
+                raise SweepError(f"{p.name}: {e}") from e
+        p.code = taken[key]
+        setup = [*snapshot.setup_lines(p.code), *p.resources.params.get("setup", [])]
+        p.resources = replace(p.resources, params={**p.resources.params, "setup": setup})
+
+
+def snapshot_config(task_cfg: DictConfig) -> SnapshotConfig:
+    """The app's ``cluster.snapshot``; any other Hydra app gets the defaults."""
+    node = OmegaConf.select(task_cfg, "cluster.snapshot", default=None)
+    if isinstance(node, DictConfig) and OmegaConf.get_type(node) is SnapshotConfig:
+        return cast(SnapshotConfig, _typed(node, SnapshotConfig))
+    return SnapshotConfig()
 
 
 def check_app_config(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig] | None:
@@ -429,11 +459,13 @@ def write_entry(sweep_dir: Path, task_function: Callable[..., Any], hydra_contex
     return path
 
 
-def write_point(point: Point, entry: Path) -> None:
+def write_point(point: Point, entry: Path, origin: provenance.Origin, diff: Path | None) -> None:
     import cloudpickle  # by value for schemas defined in a script's __main__
 
+    config_yaml = OmegaConf.to_yaml(point.task_cfg)
     _write_bytes(point.files / "config.pkl", cloudpickle.dumps(point.config))
-    _write_bytes(point.files / "config.yaml", OmegaConf.to_yaml(point.task_cfg).encode())
+    _write_bytes(point.files / "config.yaml", config_yaml.encode())
+    provenance.record(point.run_dir, point.code, config_yaml, origin, diff)
     spec = {"num": point.num, "overrides": point.overrides, "entry": str(entry), "ddp": point.is_ddp}
     _write_bytes(point.files / "point.json", json.dumps(spec, indent=1).encode())
 
@@ -582,6 +614,9 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
         check_partitions(points)
         check_cluster_limits(len(points))
     _warn_ignored_resources(settings, points)
+    take_snapshots(points)
+    origin = provenance.origin()
+    diff = provenance.write_diff(sweep_dir, origin)  # once per submission, named by every point
     wait = settings.wait if settings.wait is not None else _app_wait(points)
     try:
         with Registry(settings.registry) as registry, damage_reported(registry.path):
@@ -591,7 +626,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
                     app=str(master.hydra.job.name), command=sweep_command(master),
                     sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
             for p in points:
-                write_point(p, cast(Path, state.entry))
+                write_point(p, cast(Path, state.entry), origin, diff)
             registry.add_jobs(Job(state.sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
                                   p.total_steps) for p in points)
             return _submit_and_wait(settings, registry, state.sweep_id, points, sweep_dir, wait)

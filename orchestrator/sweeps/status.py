@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
-from orchestrator.launch import local_jobs
+from orchestrator.launch import local_jobs, provenance
 from orchestrator.sweeps.registry import (
     RETRY_STATES,
     SUBMITTED,
@@ -506,9 +506,10 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     config_path = Path(job.run_dir) / ".switchyard" / "config.yaml"
     config_text = _read(config_path) or f"(missing: {config_path})\n"
     memory = row.memory
+    origin = provenance.read(job.run_dir)  # what it ran: code snapshot, git, config hash, versions
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
-                          "run_dir": job.run_dir, "resources": job.resources,
+                          "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
                           "config_path": str(config_path), "config": config_text,
                           "attempts": [a.__dict__ for a in attempts],
                           "memory": memory, "warnings": reconciled.warnings}, indent=1), file=out)
@@ -516,6 +517,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     colour = colour_enabled(out)
     print(f"job {job.ref}  sweep {sweep.id} ({sweep.app})\noverrides: {' '.join(job.overrides) or '-'}\n"
           f"run dir: {job.run_dir}", file=out)
+    if origin is not None:
+        print("\n".join(provenance.lines(origin)), file=out)
     print_warnings(reconciled, out)
     cells = [[str(a.attempt), a.slurm_id or "-", a.state, str(a.requeues),
               "-" if a.exit_code is None else str(a.exit_code), a.node or "-", format_time(a.started_at),

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
-from orchestrator.launch import dist_env, rendezvous, run_lock
+from orchestrator.launch import dist_env, provenance, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import (
     clear_end_summary,
@@ -312,6 +312,19 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
             f"cannot resume from {path}: the config changed in ways the checkpoint cannot follow:\n  "
             + "\n  ".join(changed) + "\nUse a new run directory (or checkpoint.dir) for a different "
             "model; harmless changes such as optim.max_steps are allowed.")
+
+
+def check_code(saved: dict[str, Any] | None, path: Path, allow: bool) -> dict[str, Any] | None:
+    """Refuse a resume under other code than the checkpoint was written with (``provenance``),
+    unless ``checkpoint.allow_code_change``; returns the change let through, for summary.json."""
+    change = provenance.resume_change(saved, provenance.for_checkpoint())
+    if change is None or allow:
+        return change
+    raise checkpoint.CheckpointError(
+        f"cannot resume from {path}: it was written under other code: "
+        f"{provenance.describe_change(change)}. If the change is intended, add "
+        f"checkpoint.allow_code_change=true (the change is then recorded in summary.json); otherwise "
+        f"resume under the code it was written with, or use a new run directory")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -597,7 +610,8 @@ class Trainer:
                                             "units": int(self.units), "batches": self.batches_seen})
         return {"step": self.step, "schedule": self.schedule.state_dict(),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
-                "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size}
+                "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size,
+                "provenance": provenance.for_checkpoint()}
 
     def restore(self) -> None:
         """Continue from the newest readable checkpoint of this run, if there is one.
@@ -618,6 +632,10 @@ class Trainer:
             print(f"warning: {warning}", flush=True)
         state = found.state
         check_compatible(state["compat"], self.compat, found.path)
+        code_change = check_code(state.get("provenance"), found.path, self.cfg.checkpoint.allow_code_change)
+        if code_change is not None:
+            self.checkpoint_warnings.append(f"resumed under other code (checkpoint.allow_code_change="
+                                            f"true): {provenance.describe_change(code_change)}")
         self.checkpointer.load(found, self.model, self.optimizer)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
@@ -630,7 +648,7 @@ class Trainer:
             self.units.fill_(int(mine.get("units", mine["samples"])))  # older: classify only
             self.batches_seen = int(mine["batches"])
         self.resumed_from = {"path": str(found.path), "step": self.step,
-                             "load_s": time.perf_counter() - started}
+                             "load_s": time.perf_counter() - started, "code_change": code_change}
         self.saved_step = self.step
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)

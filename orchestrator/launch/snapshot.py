@@ -1,0 +1,280 @@
+"""The code a SLURM job runs, copied when it is queued: a content-addressed snapshot store.
+
+A job can wait in the queue for hours and a sweep's points start days apart; a job that imported
+the working tree when it started ran whatever was there then (an edit half saved, another branch).
+At submission the importable code is copied into ``STORE/<sha256>/`` and every rank imports from
+there first (``setup_lines``). What is copied (``sources``): Switchyard's own packages, the top-level
+package or module each user target (``model._target_``, ``task._target_``) comes from when it lives
+outside site-packages, and ``cluster.snapshot.include``.
+
+The name is the hash of the manifest (every file's relative path and content hash), so unchanged
+code is stored once however many jobs use it, and a snapshot's content can never change under its
+name. It is written into a temporary directory beside the store's entries and renamed into place:
+a directory named by a hash is always complete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import sysconfig
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import ConfigError, SnapshotConfig
+
+# Switchyard's own top-level packages, found beside ``orchestrator`` (a checkout or an install).
+OWN_PACKAGES = ("orchestrator", "sharding", "jobs", "conf", "switchyard", "hydra_plugins")
+MANIFEST = ".switchyard-snapshot.json"  # inside each snapshot: what it holds, for diffs at resume
+SNAPSHOT_ENV = "SWITCHYARD_SNAPSHOT"  # set on the nodes: the snapshot the ranks import from
+DEFAULT_STORE = Path("~/.cache/switchyard/snapshots")
+_TMP_PREFIX = ".tmp-"
+
+
+class SnapshotError(ConfigError):
+    """The snapshot cannot be taken (too large, a source missing); nothing was queued."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A file or directory copied to ``<snapshot>/<name>``."""
+
+    path: Path
+    name: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    hash: str  # sha256 of the manifest: the snapshot's name in the store
+    path: Path  # STORE/<hash>, put first on the ranks' PYTHONPATH
+    files: dict[str, str]  # relative path -> sha256 of its content
+    created: bool  # False: an identical snapshot was already stored (nothing written)
+
+
+def store_dir(config: SnapshotConfig) -> Path:
+    return Path(config.dir or DEFAULT_STORE).expanduser().absolute()
+
+
+# ------------------------------------------------------------------------------------------------
+# What is copied
+
+
+def own_root() -> Path:
+    """The directory ``orchestrator`` was imported from (a checkout, a snapshot or site-packages)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def own_sources() -> list[Source]:
+    """Switchyard's packages, beside ``orchestrator``."""
+    root = own_root()
+    return [Source(root / name, name) for name in OWN_PACKAGES if (root / name).is_dir()]
+
+
+def module_source(target: str) -> Source | None:
+    """Where the top-level package or module of ``target`` (``my_pkg.models.Net``) lives; None for
+    one installed in site-packages or the standard library (versions record those), or unknown."""
+    top = target.split(".", 1)[0]
+    if not top or top in OWN_PACKAGES:
+        return None
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    path = Path(locations[0]) if locations else Path(spec.origin or "")
+    if not path.exists() or _installed(path):
+        return None
+    return Source(path.resolve(), path.name)
+
+
+def _installed(path: Path) -> bool:
+    resolved = str(path.resolve())
+    roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
+    return "site-packages" in resolved or "dist-packages" in resolved or any(
+        resolved.startswith(str(Path(r).resolve()) + os.sep) for r in roots)
+
+
+TARGET_KEYS = ("model", "task")  # config groups whose ``_target_`` names the user's code
+
+
+def targets(config: Any) -> list[str]:
+    """The user targets a config names (``model._target_``, ``task._target_``), read alike from
+    typed dataclasses, dicts and DictConfigs."""
+    found = []
+    for key in TARGET_KEYS:
+        node = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        target = node.get("_target_") if isinstance(node, Mapping) else getattr(node, "_target_", None)
+        if isinstance(target, str):
+            found.append(target)
+    return found
+
+
+def include_sources(include: Sequence[str]) -> list[Source]:
+    sources = []
+    for i, item in enumerate(include):
+        path = Path(item).expanduser().absolute()
+        if not path.exists():
+            raise SnapshotError(f"cluster.snapshot.include[{i}]={item!r} is invalid: no such file or "
+                                f"directory (try an existing path, or cluster.snapshot.include=[])")
+        sources.append(Source(path, path.name))
+    return sources
+
+
+def sources(config: SnapshotConfig, targets: Sequence[str] = ()) -> list[Source]:
+    """Everything one job's snapshot holds: own packages, user targets' modules, includes."""
+    found = [*own_sources(), *(s for s in map(module_source, targets) if s is not None),
+             *include_sources(config.include)]
+    by_name: dict[str, Source] = {}
+    for source in found:
+        other = by_name.setdefault(source.name, source)
+        if other.path != source.path:
+            raise SnapshotError(f"the snapshot would hold two different {source.name!r}: {other.path} "
+                                f"and {source.path} (rename one, or drop it from cluster.snapshot.include)")
+    return list(by_name.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Manifest and store
+
+
+def _walk(source: Source, exclude: Sequence[str]) -> Iterator[tuple[str, Path]]:
+    """(relative path in the snapshot, file) for every file kept; excluded names are pruned."""
+    if source.path.is_file():
+        yield source.name, source.path
+        return
+    for folder, dirs, names in os.walk(source.path):
+        base = Path(folder)
+        # A package named like an exclude (my_pkg/data/__init__.py) is code the job imports: kept.
+        dirs[:] = sorted(d for d in dirs if not _excluded(d, exclude) or (base / d / "__init__.py").is_file())
+        for name in sorted(names):
+            file = base / name
+            if not _excluded(name, exclude) and file.is_file():
+                yield f"{source.name}/{file.relative_to(source.path).as_posix()}", file
+
+
+def _excluded(name: str, exclude: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in exclude)
+
+
+def collect(sources_: Sequence[Source], config: SnapshotConfig) -> dict[str, Path]:
+    """Relative path -> file, refused when the total exceeds ``max_mb`` (naming the largest)."""
+    files = dict(item for s in sources_ for item in _walk(s, config.exclude))
+    sizes = {rel: path.stat().st_size for rel, path in files.items()}
+    total = sum(sizes.values())
+    if total > config.max_mb * 2**20:
+        largest = sorted(sizes, key=lambda rel: -sizes[rel])[:5]
+        named = ", ".join(f"{rel} ({sizes[rel] / 2**20:.1f} MiB)" for rel in largest)
+        raise SnapshotError(
+            f"the code snapshot would be {total / 2**20:.1f} MiB, over cluster.snapshot.max_mb="
+            f"{config.max_mb:g}; its largest files: {named}. Exclude them (cluster.snapshot.exclude="
+            f"[...]), raise cluster.snapshot.max_mb, or turn snapshots off (cluster.snapshot.enabled=false)")
+    return files
+
+
+def file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def manifest_hash(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def take(config: SnapshotConfig, targets: Sequence[str] = ()) -> Snapshot:
+    """Snapshot the code a job with these user targets imports; reuse an identical stored one."""
+    files = collect(sources(config, targets), config)
+    hashes = {rel: file_hash(path) for rel, path in sorted(files.items())}
+    digest = manifest_hash(hashes)
+    store = store_dir(config)
+    final = store / digest
+    if final.is_dir():
+        return Snapshot(digest, final, hashes, created=False)
+    store.mkdir(parents=True, exist_ok=True)
+    created = _publish(store, final, files, hashes)
+    return Snapshot(digest, final, hashes, created=created)
+
+
+def _publish(store: Path, final: Path, files: dict[str, Path], hashes: dict[str, str]) -> bool:
+    """Copy into a temporary directory in the store, then rename it to its hash: a killed copy
+    leaves only a ``.tmp-`` directory, never a half snapshot under a hash. Another submission
+    that published the same snapshot first wins; ours is removed (its content is the same)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name[:12]}-", dir=store))
+    try:
+        for rel, path in files.items():
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+        (tmp / MANIFEST).write_text(json.dumps({"hash": final.name, "files": hashes}, indent=0))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # ENOTEMPTY/EEXIST: published meanwhile by another submission
+            if not final.is_dir():
+                raise
+            return False
+        return True
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> dict[str, str] | None:
+    """A stored snapshot's files (relative path -> hash); None when it is gone or unreadable."""
+    try:
+        return dict(json.loads((path / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """Files added, removed or edited between two manifests, sorted."""
+    return sorted(rel for rel in old.keys() | new.keys() if old.get(rel) != new.get(rel))
+
+
+# ------------------------------------------------------------------------------------------------
+# On the nodes
+
+
+def setup_lines(snap: Snapshot) -> list[str]:
+    """sbatch script lines (before srun; srun passes the environment on) that make every rank
+    import from the snapshot. ``python -m`` puts its working directory first on ``sys.path``, where
+    the checkout would shadow the snapshot: PYTHONSAFEPATH (Python 3.11) leaves it out, and the
+    job's directory goes last instead, so modules not in the snapshot still import as before."""
+    path = str(snap.path)
+    return [f"export PYTHONPATH={_sh(path)}${{PYTHONPATH:+:$PYTHONPATH}}:\"$PWD\"",
+            "export PYTHONSAFEPATH=1", f"export {SNAPSHOT_ENV}={_sh(path)}"]
+
+
+def _sh(value: str) -> str:
+    return shlex.quote(value)
+
+
+@lru_cache(maxsize=1)
+def current() -> Snapshot | None:
+    """The snapshot this process imports from (``SWITCHYARD_SNAPSHOT``); None outside one."""
+    value = os.environ.get(SNAPSHOT_ENV)
+    if not value:
+        return None
+    path = Path(value)
+    files = read_manifest(path)
+    return Snapshot(path.name, path, files or {}, created=False)
+
+
+def imported_from(module_file: str | None) -> bool:
+    """Whether a module file lies in the current snapshot (``orchestrator.__file__`` on a rank)."""
+    snap = current()
+    return bool(snap and module_file and Path(module_file).resolve().is_relative_to(snap.path.resolve()))
+
