@@ -33,7 +33,8 @@ def _cluster(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from sharding.verify import run_verify_cli
 
-    return run_verify_cli(args.path)
+    # the path and the problems come from the user and the files: shown, never obeyed
+    return run_verify_cli(args.path, escape=printable)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -43,7 +44,7 @@ def _plot(args: argparse.Namespace) -> int:
     try:
         out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     except TelemetryError as e:
-        print(f"switchyard plot: error: {e}", file=sys.stderr)
+        print(f"switchyard plot: error: {printable(e)}", file=sys.stderr)
         return 2
     print(out)
     return 0

@@ -12,6 +12,7 @@ it lists still matches.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -369,19 +370,26 @@ def _strip_location(error: CorruptDatasetError) -> str:
     return text.removeprefix(prefix).removesuffix(f"; {REBUILD_HINT}")
 
 
-def run_verify_cli(path: str) -> int:
-    """Print a human-readable report; return 0 when everything matches, 1 otherwise."""
+def verify_report(path: str) -> tuple[int, list[str]]:
+    """The human-readable report's lines, and 0 when everything matches, 1 otherwise."""
     root = Path(path).absolute()
     manifest, problems = _verify(root)
     if manifest is not None and not problems:
-        print(
+        return 0, [
             f"OK: {manifest.num_samples} samples in {len(manifest.shards)} shards, checksums "
             f"match ({root}, fingerprint {fingerprint(manifest)})"
-        )
-        return 0
-    print(f"FAILED: {len(problems)} problem{'s' if len(problems) != 1 else ''} in {root}")
-    for problem in problems:
-        print(f"  {problem}")
+        ]
+    lines = [f"FAILED: {len(problems)} problem{'s' if len(problems) != 1 else ''} in {root}"]
+    lines += [f"  {problem}" for problem in problems]
     if manifest is not None:
-        print(f"To fix: {REBUILD_HINT}.")
-    return 1
+        lines.append(f"To fix: {REBUILD_HINT}.")
+    return 1, lines
+
+
+def run_verify_cli(path: str, escape: Callable[[str], str] = str) -> int:
+    """Print the report, each line through ``escape`` (the caller's terminal filter: the path and the
+    problems come from the user and the files); return 0 when everything matches, 1 otherwise."""
+    code, lines = verify_report(path)
+    for line in lines:
+        print(escape(line))
+    return code

@@ -42,3 +42,15 @@ def test_an_error_that_carries_them_is_printed_escaped(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "\\x1b[2J\\x1b[31mgone" in proc.stderr
     assert "\x1b" not in proc.stderr
+
+
+def test_switchyard_verify_and_plot_show_a_path_argument_escaped(tmp_path: Path) -> None:
+    """The path is echoed in the report (verify) and in the error (plot): never raw."""
+    switchyard = str(Path(sys.executable).with_name("switchyard"))
+    for command in ("verify", "plot"):
+        proc = subprocess.run([switchyard, command, str(tmp_path / f"missing{ESC}")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0, (command, proc.stdout, proc.stderr)
+        output = proc.stdout + proc.stderr
+        assert "missing\\x1b[2J\\x1b[31m" in output, (command, output)
+        assert "\x1b" not in output, command
