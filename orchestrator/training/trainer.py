@@ -753,6 +753,11 @@ class Trainer:
 
     def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float
                   ) -> dict[str, Any]:
+        saves = self.checkpointer.stats.as_summary()
+        late = preemption.lead_time_warning(self.cfg.cluster.signal_delay_s,
+                                            saves["checkpoint_slowest_save_s"])
+        if late is not None and self.cfg.cluster.mode == "slurm":  # only SLURM sends the signal
+            self.checkpoint_warnings.append(late)
         per_rank = runtime.gather(self.rt, {
             "samples": self.samples_seen, "units": int(self.units), "batches": self.batches_seen,
             "checksum": self.strategy.param_checksum(self.model), "peak": self.peaks.run_peak(),
@@ -771,7 +776,7 @@ class Trainer:
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
-            "skipped_nonfinite_steps": self.skipped_steps, **self.checkpointer.stats.as_summary(),
+            "skipped_nonfinite_steps": self.skipped_steps, **saves,
             "resume_s": self.resumed_from["resume_s"] if self.resumed_from else None,
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
