@@ -366,6 +366,16 @@ def _typed(node: DictConfig, schema: type[Any]) -> Any:
     return value
 
 
+def check_sweep_dir(sweep_dir: Path) -> None:
+    """The points' log paths (``SWEEP/.submitit/%j``) go into ``#SBATCH --output``, where sbatch
+    expands every ``%``: a ``%`` of the sweep directory's own sends the logs where submitit and
+    ``switchyard logs`` never look (``sw%4`` became ``sw404_0``)."""
+    if "%" in str(sweep_dir):
+        raise SweepError(f"hydra.sweep.dir={str(sweep_dir)!r} is invalid: it holds '%', which sbatch "
+                         f"expands in log file names (%j: job id), so the jobs' logs and results would "
+                         f"land elsewhere; nothing was queued (try hydra.sweep.dir=<a path without %>)")
+
+
 def check_cluster_limits(num_jobs: int) -> slurm_query.ClusterLimits:
     """Refuse, before anything is queued, ``num_jobs`` more jobs than SLURM would take.
 
@@ -608,6 +618,8 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     setup_globals()
     configure_log(master.hydra.hydra_logging, master.hydra.verbose)
     sweep_dir = Path(str(master.hydra.sweep.dir)).absolute()
+    if settings.executor == "slurm":
+        check_sweep_dir(sweep_dir)
     points = [prepare_point(settings, hydra_context, master, list(overrides), initial_job_idx + i,
                             sweep_dir) for i, overrides in enumerate(job_overrides)]
     if settings.executor == "slurm":

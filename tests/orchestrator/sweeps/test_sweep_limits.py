@@ -9,10 +9,13 @@ small limits; tests/slurm/test_sweep_limits_on_slurm.py runs the same paths on t
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sweep_probe
 from hypothesis import given
 from hypothesis import strategies as st
 from slurm_fakes import calls, fake_slurm, scontrol_config
@@ -119,3 +122,18 @@ def test_limits_that_cannot_be_read_or_forbid_arrays_refuse_the_sweep(
                scontrol='echo "slurm_load_ctl_conf error: Unable to contact" >&2; exit 1')
     with pytest.raises(SweepError, match=r"cannot read SLURM's limits .*Unable to contact"):
         check_cluster_limits(1)
+
+
+def test_a_percent_in_the_sweep_dir_is_refused_before_anything_is_queued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sbatch expands % in the log paths: sw%4 put the logs in sw404_0, where nothing looks."""
+    log = fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(1001, 10000), squeue="true",
+                     sbatch='echo "Submitted batch job 41"')
+    app = sweep_probe.write_app(tmp_path, launcher="switchyard_slurm", label="percent")
+    proc = subprocess.run([sys.executable, str(app), "-m", "x=1,2", "hydra.launcher.wait=false",
+                           f"hydra.sweep.dir={tmp_path / 'sw%4'}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=sweep_probe.registry_env(tmp_path))
+    assert proc.returncode != 0, proc.stdout
+    assert f"hydra.sweep.dir='{tmp_path / 'sw%4'}' is invalid: it holds '%'" in proc.stderr, proc.stderr
+    assert "nothing was queued" in proc.stderr and "Traceback" not in proc.stderr
+    assert calls(log, "sbatch") == []
