@@ -421,6 +421,25 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
     return 0
 
 
+def num_ranks(job: Job) -> int | None:
+    """How many ranks the job runs, from the executor parameters it was submitted with (SLURM's
+    ``ntasks_per_node``, the local executor's ``tasks_per_node``); None for a job recorded without."""
+    params = job.resources.get("params") or {}
+    per_node = params.get("ntasks_per_node", params.get("tasks_per_node"))
+    if not isinstance(per_node, int) or not isinstance(params.get("nodes"), int):
+        return None
+    return int(params["nodes"]) * per_node
+
+
+def check_rank(job: Job, rank: int) -> None:
+    """A rank the job does not have would read as a log "not written yet", and waiting never helps."""
+    ranks = num_ranks(job)
+    if rank < 0 or (ranks is not None and rank >= ranks):
+        has = (f"has {ranks} rank{'s' if ranks != 1 else ''} (0..{ranks - 1})" if ranks
+               else "numbers its ranks from 0")
+        raise CommandError(f"--rank {rank} is invalid: job {job.ref} {has} (try --rank 0)")
+
+
 def log_paths(attempt: Attempt, rank: int) -> tuple[Path, Path]:
     """submitit's per-rank logs: LOGDIR/JOBID_RANK_log.out and .err."""
     if not attempt.log_dir or not attempt.slurm_id:
@@ -446,6 +465,7 @@ def cmd_logs(registry: Registry, target: str, rank: int, follow: bool, stream: s
              attempt_number: int | None = None, out: IO[str] = sys.stdout) -> int:
     ref = _job_ref(registry, target)
     print_warnings(reconcile(registry, [ref.sweep_id], [cast(int, ref.num)]), sys.stderr)
+    check_rank(registry.job(ref.sweep_id, cast(int, ref.num)), rank)
     attempt = _attempt(registry, ref, attempt_number)
     stdout_path, stderr_path = log_paths(attempt, rank)
     paths = {"out": [stdout_path], "err": [stderr_path], "both": [stdout_path, stderr_path]}[stream]

@@ -116,3 +116,23 @@ def test_last_metrics_skips_a_line_being_written(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 5, "train_loss": 1.5}\n{"step": 1')
     assert last_metrics(str(tmp_path)) == {"step": 5, "train_loss": 1.5}
     assert last_metrics(str(tmp_path / "missing")) is None
+
+
+def test_logs_of_a_rank_the_job_does_not_have_name_its_ranks(tmp_path: Path) -> None:
+    """--rank 7 of a 2-rank job read as a log "not written yet": waiting would never help."""
+    from orchestrator.sweeps.status import cmd_logs
+
+    reg = Registry(tmp_path / "r.db")
+    sweep_id = reg.create_sweep("train", "", str(tmp_path), "local", "entry")
+    resources = {"executor": "local", "params": {"nodes": 1, "tasks_per_node": 2}, "max_requeues": 0,
+                 "array_parallelism": 1, "source": "cluster"}
+    reg.add_jobs([Job(sweep_id, 0, [], str(tmp_path / "0"), resources, None)])
+    claims = reg.claim(sweep_id, range(1))
+    reg.confirm([Submitted(claims[0], str(_finished_pid()), None, None, str(tmp_path / "logs"))])
+    for rank in (7, 2, -1):
+        with pytest.raises(CommandError) as refused:
+            cmd_logs(reg, f"{sweep_id}/0", rank, follow=False, stream="both", out=io.StringIO())
+        assert str(refused.value) == f"--rank {rank} is invalid: job 1/0 has 2 ranks (0..1) (try --rank 0)"
+    out = io.StringIO()
+    assert cmd_logs(reg, f"{sweep_id}/0", 1, follow=False, stream="out", out=out) == 0
+    assert "not written yet" in out.getvalue()
