@@ -361,16 +361,20 @@ def sweep_summary(registry: Registry, sweep: Sweep, rows: Sequence[JobRow] | Non
 
 
 def sweeps_table(summaries: Sequence[dict[str, Any]], colour: bool) -> str:
-    headers = ["SWEEP", "CREATED", "APP", "EXECUTOR", "JOBS", "DONE", "ACTIVE", "FAILED", "COMMAND"]
+    headers = ["SWEEP", "CREATED", "APP", "EXECUTOR", "JOBS", "DONE", "ACTIVE", "FAILED", "CANCELLED",
+               "COMMAND"]
     cells, painters = [], []
     for s in summaries:
         states: dict[str, int] = s["states"]
-        done = states.get("COMPLETED", 0)
-        failed = sum(n for k, n in states.items() if k in RETRY_STATES)
-        active = sum(states.values()) - done - failed
+        done, cancelled = states.get("COMPLETED", 0), states.get("CANCELLED", 0)
+        # a cancelled job was stopped by someone, not broken: counting it as failed sends the
+        # user looking for an error that is not there
+        failed = sum(n for k, n in states.items() if k in RETRY_STATES and k != "CANCELLED")
+        active = sum(states.values()) - done - failed - cancelled
         cells.append([str(s["id"]), format_time(s["created_at"]), s["app"], s["executor"],
-                      str(s["jobs"]), str(done), str(active), str(failed), s["command"] or "-"])
-        state = "FAILED" if failed else "RUNNING" if active else "COMPLETED"
+                      str(s["jobs"]), str(done), str(active), str(failed), str(cancelled),
+                      s["command"] or "-"])
+        state = "FAILED" if failed else "RUNNING" if active else "CANCELLED" if cancelled else "COMPLETED"
         painters.append({0: paint(state, colour)})
     return render_table(headers, cells, painters)
 

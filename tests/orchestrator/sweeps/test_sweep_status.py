@@ -82,10 +82,21 @@ def test_sweeps_list_counts_states(registry: Registry) -> None:
     out = io.StringIO()
     cmd_status(registry, None, as_json=False, out=out)
     header, row = out.getvalue().splitlines()
-    assert header.split()[:9] == ["SWEEP", "CREATED", "APP", "EXECUTOR", "JOBS", "DONE", "ACTIVE",
-                                  "FAILED", "COMMAND"]
+    assert header.split()[:10] == ["SWEEP", "CREATED", "APP", "EXECUTOR", "JOBS", "DONE", "ACTIVE",
+                                   "FAILED", "CANCELLED", "COMMAND"]
     fields = row.split()
-    assert fields[0] == "1" and fields[3:9] == ["train", "local", "3", "1", "1", "1"]
+    assert fields[0] == "1" and fields[3:10] == ["train", "local", "3", "1", "1", "1", "0"]
+
+
+def test_sweeps_list_counts_cancelled_jobs_apart_from_failed_ones(registry: Registry) -> None:
+    """A job someone cancelled is not broken: under FAILED it sent the user looking for an error."""
+    claims = registry.claim(1, [2])
+    registry.observe([Observation(claims[2], "CANCELLED", error="cancelled by the user")])
+    out = io.StringIO()
+    cmd_status(registry, None, as_json=False, out=out)
+    header, row = out.getvalue().splitlines()
+    counts = dict(zip(header.split()[4:9], row.split()[5:10], strict=True))
+    assert counts == {"JOBS": "3", "DONE": "1", "ACTIVE": "0", "FAILED": "1", "CANCELLED": "1"}
 
 
 def test_show_prints_the_saved_config(registry: Registry, tmp_path: Path) -> None:
