@@ -90,7 +90,7 @@ def _mode_for(mode: str, has_transparency: bool, path: Path) -> str:
 def _load_npy_image(path: Path) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty or truncated file
         raise DatasetError(f"{path}: not a readable .npy array ({e}); fix or remove it") from e
     if array.ndim == 2:
         return array[None]  # [1, H, W]

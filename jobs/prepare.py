@@ -223,7 +223,7 @@ def _num_workers(requested: int) -> int:
 
 def open_npy_dir(path: Path, field: str, num_workers: int,
                  labels: LabelFile | None = None) -> Source:
-    files = sorted(p for p in path.iterdir() if p.suffix == ".npy" and p.is_file())
+    files = list_npy_files(path)
     if not files:
         raise invalid("input", str(path), "is a directory without .npy files (one sample each)",
                       "input=/path/to/dir/of/npy, or format=text for a directory of text "
@@ -247,6 +247,26 @@ def open_npy_dir(path: Path, field: str, num_workers: int,
         return ({field: a, LABEL_FIELD: y} for a, y in zip(arrays, labels.values, strict=True))
 
     return Source("npy_dir", path, len(files), open_samples, lambda k: f"file {files[k]}")
+
+
+def list_npy_files(path: Path) -> list[Path]:
+    """The samples of a .npy directory, in name order. An entry named ``*.npy`` that is not a
+    regular file is refused, not skipped: skipped, the dataset silently lacked a sample (and a
+    FIFO, once opened, would wait forever for a writer)."""
+    files = sorted(p for p in path.iterdir() if p.suffix == ".npy")
+    for f in files:
+        if not f.is_file():
+            raise DatasetError(f"{f}: is {_entry_kind(f)}, not a .npy file (one sample each): "
+                               f"remove it or rename it")
+    return files
+
+
+def _entry_kind(path: Path) -> str:
+    if path.is_dir():
+        return "a directory"
+    if path.is_fifo():
+        return "a FIFO"
+    return "a broken symbolic link" if not path.exists() else "not a regular file"
 
 
 LABEL_FIELD = "y"
@@ -281,8 +301,9 @@ def _load_npy(path: Path) -> np.ndarray:
     """One sample; runs in a worker process, so its error must pickle (a plain message does)."""
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"{path}: not a readable .npy array ({e}); fix or remove it") from e
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty or truncated file
+        raise DatasetError(f"{path}: not a readable .npy array ({type(e).__name__}: {e}); "
+                           f"fix or remove it") from e
 
 
 # ------------------------------------------------------------------------------------------------

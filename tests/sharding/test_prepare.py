@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -257,3 +258,36 @@ def test_bad_input_as_a_subprocess_fails_with_one_clear_line(tmp_path):
     assert "missing.pt" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
     assert list((tmp_path / "cwd").iterdir()) == []
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_an_empty_npy_file_is_one_error_naming_it_and_publishes_nothing(npy_dir, tmp_path, num_workers):
+    """A 0-byte .npy raised numpy's EOFError: a traceback that named no file."""
+    directory, _ = npy_dir
+    (directory / "s017.npy").write_bytes(b"")
+    with pytest.raises(DatasetError, match=r"s017\.npy: not a readable \.npy array \(EOFError"):
+        prepare(_config(directory, tmp_path / "out", num_workers=num_workers))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]  # nothing published, no temp left
+
+
+@pytest.mark.parametrize("make, kind", [(lambda p: p.mkdir(), "a directory"),
+                                        (lambda p: os.mkfifo(p), "a FIFO")])
+def test_a_npy_entry_that_is_not_a_file_is_named_not_skipped(npy_dir, tmp_path, make, kind):
+    """Skipped, the dataset silently lacked a sample; a FIFO would block its reader forever."""
+    directory, _ = npy_dir
+    (directory / "s017.npy").unlink()
+    make(directory / "s017.npy")
+    with pytest.raises(DatasetError, match=rf"s017\.npy: is {kind}, not a \.npy file .*remove it"):
+        prepare(_config(directory, tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]
+
+
+def test_the_command_prints_an_empty_npy_as_one_error_line(npy_dir, tmp_path):
+    directory, _ = npy_dir
+    (directory / "s003.npy").write_bytes(b"")
+    proc = subprocess.run([sys.executable, "-m", "jobs.prepare", f"input={directory}",
+                           f"output={tmp_path / 'out'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("jobs.prepare: error: ") and "s003.npy: not a readable .npy array" in last
