@@ -36,6 +36,7 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> estimate.MemoryRe
     task.check_dataset("data.path", train)
     if paths.eval is not None:
         task.check_dataset("data.eval_path", open_checked("data.eval_path", paths.eval))
+    check_sampling(cfg, task, train)
     if cfg.checkpoint.dir:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
     if cfg.cluster.mode != "slurm" and task.source(train) is None:  # this machine's /dev/shm is theirs
@@ -51,6 +52,34 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> estimate.MemoryRe
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
                           f"{torch.cuda.device_count()})")
     return memory
+
+
+def check_sampling(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
+    """The sampler's and the loader's refusals, which otherwise come from every rank after the
+    queue wait: ``data.policy=drop`` over more ranks than samples (each rank would get none), and
+    ``data.group_by_length`` on data whose every field has one length (nothing to group by)."""
+    source = task.source(train)  # a language model reads windows, never grouped by length
+    counts = train.shard_counts if source is None else source.shard_counts
+    num_samples, world_size = sum(counts), cfg.parallelism.world_size
+    if cfg.data.policy == "drop" and num_samples < world_size:
+        what = "sample" if source is None else f"window of data.seq_len={cfg.data.seq_len}"
+        many = "" if num_samples == 1 else "s"
+        raise ConfigError(f"data.policy=drop is invalid: data.path={str(train.root)!r} has "
+                          f"{num_samples} {what}{many} for {world_size} ranks, so every rank would get "
+                          f"none (try data.policy=pad, which pads with flagged samples, or at most "
+                          f"{num_samples} rank{many})")
+    if cfg.data.group_by_length and source is None and set(train.schema) <= train.fixed_fields:
+        raise ConfigError(f"data.group_by_length=true is invalid: every field of data.path="
+                          f"{str(train.root)!r} has one shape in every sample ({fixed_shapes(train)}), "
+                          f"so there is no length to group by (try data.group_by_length=false)")
+
+
+def fixed_shapes(ds: ShardedDataset) -> str:
+    """``x: float32[8, 16], y: int64[]``: each field's shape with its (single) leading size."""
+    stats = ds.manifest.field_stats
+    shapes = {name: [stats[name].min_leading if d is None else d for d in spec.shape]
+              for name, spec in ds.schema.items()}
+    return ", ".join(f"{name}: {spec.dtype}{shapes[name]}" for name, spec in ds.schema.items())
 
 
 def open_checked(key: str, path: str) -> ShardedDataset:
