@@ -23,10 +23,13 @@ HParams view and W&B's config then compare the points of a sweep.
 from __future__ import annotations
 
 import json
+import netrc
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import xxhash
 
@@ -36,6 +39,7 @@ from orchestrator.config import ConfigError, LoggerConfig
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
+WANDB_KEYLESS_MODES = ("offline", "dryrun", "disabled")  # WANDB_MODE values that never log in
 # metrics.jsonl key -> the tag TensorBoard and W&B show it under
 TAGS = {"train_loss": "train/loss", "samples_per_s": "train/samples_per_s", "lr": "train/lr",
         "grad_norm": "train/grad_norm", "peak_mem_bytes": "memory/peak_bytes",
@@ -53,6 +57,43 @@ def check_available(cfg: LoggerConfig) -> None:
         except ImportError as e:
             raise ConfigError(f"logger.{name}=true but {name} is not installed ({install}, or "
                               f"logger.{name}=false)") from e
+    if cfg.wandb:
+        check_wandb_key(os.environ)
+
+
+def check_wandb_key(environ: Mapping[str, str]) -> None:
+    """W&B online needs an API key, which ``wandb.init`` looks up only on rank 0, after the queue
+    wait. Looked up here where W&B looks (the environment, then the netrc file ``wandb login``
+    writes), without contacting any server; offline and disabled modes need none."""
+    if environ.get("WANDB_MODE", "").lower() in WANDB_KEYLESS_MODES or \
+            environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlsplit(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    netrc_path = netrc_file(environ)
+    if netrc_path is not None and netrc_has(netrc_path, host):
+        return
+    where = f"no entry for {host} in {netrc_path}" if netrc_path else "no ~/.netrc"
+    raise ConfigError(f"logger.wandb=true but W&B has no API key here (WANDB_API_KEY is unset, {where}), "
+                      f"so rank 0 would fail after the queue wait (run `wandb login`, or export "
+                      f"WANDB_API_KEY=<your key>, or WANDB_MODE=offline to log locally and `wandb sync` "
+                      f"later, or logger.wandb=false)")
+
+
+def netrc_file(environ: Mapping[str, str]) -> Path | None:
+    """The netrc file W&B reads: ``$NETRC``, else ``~/.netrc`` (or ``~/_netrc``) if it exists."""
+    if environ.get("NETRC"):
+        return Path(environ["NETRC"]).expanduser()
+    home = Path(environ.get("HOME") or Path.home())
+    return next((p for p in (home / ".netrc", home / "_netrc") if p.is_file()), None)
+
+
+def netrc_has(path: Path, host: str) -> bool:
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False  # unreadable or malformed: W&B could not read a key from it either
 
 
 def wandb_id(run_dir: Path) -> str:

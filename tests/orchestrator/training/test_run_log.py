@@ -58,3 +58,31 @@ def test_peak_memory_is_per_window_and_the_runs_peak_survives_the_resets(tmp_pat
     assert peaks.run_peak() >= busy
     recorded = record_rank_peak(tmp_path, rank=0, device_index=None, floor=peaks.run_peaks())
     assert recorded["max_rss_bytes"] >= busy  # the telemetry's peak is the run's, not the window's
+
+
+@pytest.fixture
+def no_wandb_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No key anywhere W&B looks: a home without a netrc file, no W&B variables."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_DISABLED",
+                 "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_wandb_online_without_an_api_key_fails_before_submission(
+        no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: wandb.init failed on rank 0, after the queue wait."""
+    with pytest.raises(ConfigError) as refused:
+        check_available(LoggerConfig(wandb=True))
+    message = str(refused.value)
+    for part in ("logger.wandb=true but W&B has no API key here", "WANDB_API_KEY", "`wandb login`",
+                 "WANDB_MODE=offline", "logger.wandb=false"):
+        assert part in message, message
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "k" * 40)):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            check_available(LoggerConfig(wandb=True))
+    (no_wandb_key / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
+    (no_wandb_key / ".netrc").chmod(0o600)
+    check_available(LoggerConfig(wandb=True))  # what `wandb login` writes
