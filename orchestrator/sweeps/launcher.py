@@ -609,12 +609,27 @@ def _submitted(attempt_id: int, job: submitit.Job[Any]) -> Submitted:
                      int(index) if index else None, str(job.paths.folder))
 
 
+def launched_by_another_task() -> str | None:
+    """Why this process must not submit the sweep, or None. A ``-m`` sweep started in every task
+    of a multi-task ``srun`` (or by every torchrun worker) was submitted once per task: two sweeps
+    of the same points, whose second copies then failed on the run lock. Task 0 submits it."""
+    attached = dist_env.attached_launch()
+    if attached is None or attached.is_main:
+        return None
+    return (f"Switchyard: task {attached.rank} of {attached.world_size} of {dist_env.launch_name()}: "
+            f"the sweep is submitted by task 0 only, so it goes out once; this task exits 0 "
+            f"(start a sweep from one task: srun -n1, or outside srun)")
+
+
 def launch(settings: LauncherSettings, hydra_context: HydraContext, task_function: Callable[..., Any],
            master: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
            state: SweepState) -> list[JobReturn]:
     """Hydra's ``Launcher.launch``: compose and check everything, record, submit, wait or return."""
     from hydra.core.utils import configure_log, setup_globals
 
+    if (elsewhere := launched_by_another_task()) is not None:
+        print(elsewhere, flush=True)
+        sys.exit(0)  # not an error: the sweep goes out once, from task 0
     setup_globals()
     configure_log(master.hydra.hydra_logging, master.hydra.verbose)
     sweep_dir = Path(str(master.hydra.sweep.dir)).absolute()

@@ -137,3 +137,28 @@ def test_a_percent_in_the_sweep_dir_is_refused_before_anything_is_queued(
     assert f"hydra.sweep.dir='{tmp_path / 'sw%4'}' is invalid: it holds '%'" in proc.stderr, proc.stderr
     assert "nothing was queued" in proc.stderr and "Traceback" not in proc.stderr
     assert calls(log, "sbatch") == []
+
+
+def srun_task(procid: int) -> dict[str, str]:
+    """The variables srun gives task ``procid`` of a 2-task step on one node."""
+    return {"SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": str(procid), "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_TASKS_PER_NODE": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_NODES": "1"}
+
+
+def test_a_sweep_started_in_every_task_of_an_srun_step_is_submitted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: each task submitted it, two sweeps of the same points."""
+    log = fake_slurm(tmp_path, monkeypatch, scontrol=scontrol_config(1001, 10000), squeue="true",
+                     sbatch='echo "Submitted batch job 41"')
+    app = sweep_probe.write_app(tmp_path, launcher="switchyard_slurm", label="srun")
+    procs = [subprocess.run([sys.executable, str(app), "-m", "x=1,2", "hydra.launcher.wait=false"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**sweep_probe.registry_env(tmp_path), **srun_task(procid)})
+             for procid in (1, 0)]
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-2000:] for p in procs]
+    assert ("task 1 of 2 of slurm-99-step0: the sweep is submitted by task 0 only, so it goes out once"
+            in procs[0].stdout), procs[0].stdout
+    assert "sweep_id: 1" in procs[1].stdout and "sweep_id" not in procs[0].stdout
+    assert len(calls(log, "sbatch")) == 1
