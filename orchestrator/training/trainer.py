@@ -451,6 +451,8 @@ class Trainer:
         self.skipped_steps: list[int] = []
         self.skipped_in_a_row = 0
         self.eval_metrics: dict[str, float] = {}  # of the last evaluation
+        self.window: MetricsWindow | None = None  # the open training-loss window (run's loop)
+        self.window_sums: list[float] | None = None  # a restored checkpoint's open window
 
     def make_loader(self, ds: ShardedDataset, train: bool) -> tuple[ShardedSampler, Any]:
         """This rank's sampler and loader over ``ds``: the padded batches of its samples, or what
@@ -606,8 +608,12 @@ class Trainer:
         """What a checkpoint holds besides the model and optimizer state, assembled in one place:
         the step, schedule, grad scaler, sampler position, every rank's RNG streams and counts, what
         the resuming run must share (``compat``) and the world size. Collective."""
+        # The open metrics window's sums too: a requeue mid-window logs, at the window's end, the
+        # mean over all of its steps (not only those after the resume).
+        window = self.window.sums.tolist() if self.window is not None else None
         per_rank = runtime.gather(self.rt, {"rng": rng_state(), "samples": self.samples_seen,
-                                            "units": int(self.units), "batches": self.batches_seen})
+                                            "units": int(self.units), "batches": self.batches_seen,
+                                            "window": window})
         return {"step": self.step, "schedule": self.schedule.state_dict(),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size,
@@ -647,6 +653,11 @@ class Trainer:
             self.real_samples.fill_(int(mine["samples"]))
             self.units.fill_(int(mine.get("units", mine["samples"])))  # older: classify only
             self.batches_seen = int(mine["batches"])
+            self.window_sums = mine.get("window")
+        else:  # the window is reduced as one global sum: rank 0 carries all of the old ranks' part
+            old = [r["window"] for r in state["per_rank"] if r.get("window") is not None]
+            self.window_sums = [sum(column) for column in zip(*old, strict=True)] \
+                if old and self.rt.is_main else None
         self.resumed_from = {"path": str(found.path), "step": self.step,
                              "load_s": time.perf_counter() - started, "code_change": code_change}
         self.saved_step = self.step
@@ -705,6 +716,9 @@ class Trainer:
         window = MetricsWindow(rt, log, self.peaks, self.task.unit,
                                throughput_for(self.strategy.module(self.model), rt.device,
                                               cfg.memory.amp, rt.env.world_size, cfg.memory.tf32))
+        if self.window_sums is not None:
+            window.sums.copy_(torch.tensor(self.window_sums, dtype=window.sums.dtype))
+        self.window = window
         eval_loss, eval_counted = float("nan"), 0
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not rt.is_main, dynamic_ncols=True) as bar:
