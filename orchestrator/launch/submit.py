@@ -312,7 +312,7 @@ def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
             # The job has ended: a missing result will not appear (submitit would wait 15 s per
             # rank for it). The rank was killed, or the job died before it could write one.
             outcomes.append(RankOutcome(rank, no_output=f"no result; log tail:\n"
-                                        f"{_read_tail(task.paths.stderr, 15) or '(empty)'}"))
+                                        f"{log_tails(task.paths.stdout, task.paths.stderr, 10)}"))
             continue
         try:
             outcomes.append(RankOutcome(rank, result=task.result()))
@@ -460,6 +460,13 @@ def node_of(job: submitit.Job[Any], rank: int) -> str | None:
     except OSError:
         return None
     return match.group(1) if match else None
+
+
+def log_tails(stdout: Path, stderr: Path, lines: int) -> str:
+    """The last lines of both of a rank's logs (submitit keeps them apart): a killed rank's last
+    words are often prints on stdout while its stderr is empty, which read as "(empty)" alone."""
+    tails = [f"{path.name}:\n    {tail}" for path in (stdout, stderr) if (tail := _read_tail(path, lines))]
+    return "\n".join(tails) or f"(empty: {stdout.name} and {stderr.name} hold nothing)"
 
 
 def _read_tail(path: Path, lines: int) -> str:

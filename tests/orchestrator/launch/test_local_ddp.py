@@ -77,3 +77,20 @@ def test_a_local_rank_that_dies_before_any_poll_sees_it_is_still_caught(tmp_path
                         rendezvous_timeout_s=300)
     assert submit.wait_fail_fast(job, poll_s=5) == [(2, submit.LOCAL_DEATH)]
     assert time.monotonic() - start < 120
+
+
+# A rank that prints, then dies as the OOM killer kills: exec is a builtin, so it pickles by name.
+PRINT_THEN_DIE = ("import os, signal; print('step 7: loss 0.51', flush=True); "
+                  "os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_a_killed_rank_shows_the_tail_of_its_stdout_too(tmp_path: Path) -> None:
+    """Its last words were on stdout and the report read stderr alone: "(empty)"."""
+    executor = submit.make_executor(ClusterConfig(mode="local"),
+                                    ParallelismConfig(procs_per_node=1), tmp_path / "jobs")
+    job = submit.submit(executor, exec, PRINT_THEN_DIE)
+    with pytest.raises(submit.JobFailedError) as info:
+        submit.results(job)
+    message = str(info.value)
+    assert "step 7: loss 0.51" in message and "_log.out:" in message, message
+    assert "(empty)" not in message
