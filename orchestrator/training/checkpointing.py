@@ -110,7 +110,7 @@ class SingleFile(Checkpointer):
              train_state: dict[str, Any], *, blocking: bool) -> None:
         started = time.perf_counter()
         if self.rt.is_main:
-            self.wait()  # one save at a time: the host buffers are the previous save's until it ends
+            self._join()  # one save at a time: the host buffers are the previous save's until it ends
             state = {**train_state, "model": self.module(model).state_dict(),
                      "optimizer": optimizer.state_dict()}
             if blocking or not self.cfg.async_save:
@@ -125,9 +125,17 @@ class SingleFile(Checkpointer):
 
     def poll(self) -> None:
         if self.pending is not None and self.pending.done():
-            self.wait()
+            self._join()
 
     def wait(self) -> None:
+        """The loop waits for a background save (a stop, the end): counted as blocking."""
+        started = time.perf_counter()
+        try:
+            self._join()
+        finally:
+            self.stats.blocking_s += time.perf_counter() - started
+
+    def _join(self) -> None:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
