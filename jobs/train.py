@@ -116,8 +116,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if cfg.cluster.dry_run:
         if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
             print(f"{memory.table()}\n")
-        print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
-              f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
+        print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
         return None
     if memory is not None:
         print(memory.line(), flush=True)
@@ -126,14 +125,8 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
                                        OmegaConf.to_yaml(cfg))
-    if cfg.cluster.mode == "slurm":
-        print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
-        if not cfg.cluster.wait:
-            follow = f"switchyard status {recorded.ref}" if recorded else f"squeue -j {job.job_id}"
-            print(f"not waiting (cluster.wait=false): follow it with {follow}")
-            return None
-        submit.watch_pending(job, cfg.cluster.never_starts)
-    return report(single.results(recorded, job, run_dir)[0], run_dir)
+    results = single.follow(cfg.cluster, recorded, job, run_dir)
+    return None if results is None else report(results[0], run_dir)
 
 
 def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, explicit: set[str]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import re
 import typing
@@ -730,3 +731,26 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
         elif isinstance(value, DictConfig):
             errors += unknown_keys(value, f"{prefix}{key}.")
     return errors
+
+
+# ------------------------------------------------------------------------------------------------
+# Groups built from a `_target_` (model, task): what their schema holds, and the class it names
+
+
+def group_dict(spec: Any) -> dict[str, Any]:
+    """A ``_target_`` group as a plain dict: a built-in's dataclass, or a custom one's mapping."""
+    return dict(dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) and not isinstance(spec, type)
+                else spec)
+
+
+def import_target(group: str, target: Any, examples: str) -> Any:
+    """The class ``{group}._target_`` names, or a ConfigError naming the value and the fix."""
+    if not isinstance(target, str) or "." not in target:
+        raise ConfigError(f"{group}._target_={target!r} is invalid: it must be a dotted path to a "
+                          f"{group} class (try {examples}, or {group}._target_=my_pkg.Name)")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{group}._target_={target!r} cannot be imported ({e}) (try {examples}, "
+                          f"or a class importable on every node)") from e

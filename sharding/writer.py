@@ -27,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator, Mapping
@@ -480,7 +481,10 @@ def remove_stale_siblings(path: Path) -> list[Path]:
     removed = []
     # Any writer's: a prepare killed while writing another output of this directory left its
     # temp directory here too, and the lock tells a dead writer's from a live one's just as well.
+    # Only names a writer gives (_make_sibling_dir: 8 hex digits), never a look-alike of the user's.
     for candidate in sorted(path.parent.glob(".*.tmp-*")):
+        if not _WRITER_TEMP.fullmatch(candidate.name):
+            continue
         fd = None if candidate in _OWN_TEMP_DIRS else _take_lock(candidate / LOCK_NAME)
         if fd is None:
             continue  # a live writer's, or one nobody can judge
@@ -539,6 +543,9 @@ def _hold_new_lock(tmp: Path) -> int | None:
         os.close(fd)
         raise
     return fd
+
+
+_WRITER_TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{8}")  # what _make_sibling_dir names a temp directory
 
 
 def _make_sibling_dir(path: Path, tag: str) -> Path:

@@ -86,6 +86,12 @@ def sbatch_script(executor: submitit.Executor) -> str:
     return executor._make_submission_file_text(executor._submitit_command_str, uid="")
 
 
+def dry_run_text(executor: submitit.Executor, folder: Path) -> str:
+    """What ``cluster.dry_run=true`` prints: that nothing was queued, and the script that would be."""
+    return (f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
+            f"{folder}; the sbatch script:\n{sbatch_script(executor)}")
+
+
 def check_log_folder(folder: Path) -> None:
     """The job's log paths go into ``#SBATCH --output``, where sbatch expands ``%j``, ``%x``, ...:
     a ``%`` in the run directory would send the logs where submitit never looks for them."""

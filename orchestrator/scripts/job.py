@@ -153,20 +153,13 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml)
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
     if cfg.cluster.dry_run:
-        print(f"dry run (cluster.dry_run=true): nothing was queued. The job's directory would be "
-              f"{run_dir / 'submitit'}; the sbatch script:\n{submit.sbatch_script(executor)}", end="")
+        print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
         return None
     job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
     command = f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip()
     recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml)
-    if cfg.cluster.mode == "slurm":
-        print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
-        if not cfg.cluster.wait:
-            follow = f"switchyard status {recorded.ref}" if recorded else f"squeue -j {job.job_id}"
-            print(f"not waiting (cluster.wait=false): follow it with {follow}")
-            return None
-        submit.watch_pending(job, cfg.cluster.never_starts)
-    return report(single.results(recorded, job, run_dir), run_dir)
+    results = single.follow(cfg.cluster, recorded, job, run_dir)
+    return None if results is None else report(results, run_dir)
 
 
 def report(results: list[rank.RankResult], run_dir: Path) -> list[rank.RankResult]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import atomic
+from orchestrator.config import ClusterConfig
 from orchestrator.sweeps.registry import Job, Observation, Registry, RegistryError, Submitted, TaskStatus
 
 if TYPE_CHECKING:
@@ -81,6 +82,22 @@ def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Pa
     if announce:
         print(f"job: {recorded.ref} (switchyard status {recorded.ref})", flush=True)
     return recorded
+
+
+def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[R], run_dir: Path
+           ) -> list[R] | None:
+    """After a single job's submission: on SLURM say where it is, then (unless
+    ``cluster.wait=false``: None) watch it while it pends and return every rank's result."""
+    from orchestrator.launch import submit
+
+    if cluster.mode == "slurm":
+        print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
+        if not cluster.wait:
+            follow_with = f"switchyard status {recorded.ref}" if recorded else f"squeue -j {job.job_id}"
+            print(f"not waiting (cluster.wait=false): follow it with {follow_with}")
+            return None
+        submit.watch_pending(job, cluster.never_starts)
+    return results(recorded, job, run_dir)
 
 
 def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path) -> list[R]:

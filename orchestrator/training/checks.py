@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orchestrator.config import ConfigError, ParallelismConfig, TrainConfig
+from orchestrator.config import ConfigError, ParallelismConfig, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
 from orchestrator.training import estimate, run_log, strategy
 from orchestrator.training.tasks import Batch, Task, build_task
-from orchestrator.training.trainer import DataPaths, build_model, model_spec
+from orchestrator.training.trainer import DataPaths, build_model
 from sharding import DatasetError, ShardedDataset, open_dataset
 from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 
@@ -131,7 +131,7 @@ def meta_cannot_run(error: BaseException) -> bool:
 
 
 def refused(cfg: TrainConfig, example: Batch, error: BaseException) -> ConfigError:
-    target = model_spec(cfg.model).get("_target_")
+    target = group_dict(cfg.model).get("_target_")
     shapes = ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
                        for k, v in example.items() if isinstance(v, torch.Tensor))
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

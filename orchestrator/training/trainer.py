@@ -13,14 +13,13 @@ tensor that rides the process group's gloo backend (``cpu:gloo,cuda:nccl``).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
 import random
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from orchestrator import atomic
-from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig
+from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig, group_dict, import_target
 from orchestrator.launch import dist_env, provenance, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import (
@@ -48,7 +47,7 @@ from orchestrator.training import checkpoint, checkpointing, estimate, preemptio
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
-from orchestrator.training.tasks import Task, build_task, task_spec
+from orchestrator.training.tasks import Task, build_task
 from orchestrator.training.throughput import throughput_for
 from sharding import ShardedDataset, open_dataset
 from sharding.loader import make_loader
@@ -77,9 +76,9 @@ class DataPaths:
 def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig) -> nn.Module:
     """Instantiate ``spec._target_`` with what the task takes from the dataset (``in_features``
     and ``num_classes``, ``vocab_size``, ...) and the rest of spec as keyword arguments."""
-    kwargs = model_spec(spec)
+    kwargs = group_dict(spec)
     target = kwargs.pop("_target_", None)
-    model_cls = import_target(target)
+    model_cls = import_target("model", target, "model=mlp, model=transformer, model=gpt")
     try:
         model = model_cls(**dataset_kwargs, **kwargs)
     except TypeError as e:  # an unknown or missing keyword: the user's config, not a bug
@@ -93,23 +92,6 @@ def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig)
                               f"(try memory.activation_checkpointing=false)")
         model.enable_activation_checkpointing()
     return model
-
-
-def model_spec(spec: Any) -> dict[str, Any]:
-    """The model group as a plain dict: a built-in's dataclass, or a custom model's mapping."""
-    return dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
-
-
-def import_target(target: Any) -> Any:
-    if not isinstance(target, str) or "." not in target:
-        raise ConfigError(f"model._target_={target!r} is invalid: it must be a dotted path to a model "
-                          f"class (try model=mlp, model=transformer, or model._target_=my_pkg.Net)")
-    module_name, _, attr = target.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model._target_={target!r} cannot be imported ({e}) (try model=mlp, "
-                          f"model=transformer, or a class importable on every node)") from e
 
 
 def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -295,7 +277,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def compatibility(cfg: TrainConfig, dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it (shapes, not step counts)."""
-    return {"model": model_spec(cfg.model), **dataset_kwargs, "task": task_spec(cfg.task),
+    return {"model": group_dict(cfg.model), **dataset_kwargs, "task": group_dict(cfg.task),
             "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16",
             "strategy": cfg.parallelism.strategy}
 
@@ -419,6 +401,7 @@ class Trainer:
         self.train_ds: ShardedDataset = open_dataset(paths.train)
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
         self.task = build_task(cfg.task, cfg.data)
+        self.sources: dict[Path, Any] = {}  # dataset root -> the task's view of it (``source``)
         self.task.setup(self.train_ds)
         dataset_kwargs = self.task.model_kwargs(self.train_ds)
         runtime.seed_everything(cfg.seed, rt.env.rank)
@@ -459,7 +442,7 @@ class Trainer:
         the task reads instead (a language model's token windows). Evaluation visits every entry
         once in order (pad policy, no shuffle)."""
         cfg, env = self.cfg, self.rt.env
-        source = self.task.source(ds)
+        source = self.source(ds)
         counts = ds.shard_counts if source is None else source.shard_counts
         sampler = ShardedSampler(counts, world_size=env.world_size, rank=env.rank, seed=cfg.seed,
                                  policy=cast(Policy, cfg.data.policy) if train else "pad", shuffle=train)
@@ -470,6 +453,13 @@ class Trainer:
         return sampler, make_loader(ds, sampler, batch_size=cfg.data.batch_size, num_workers=workers,
                                     pin_memory=pin, group_by_length=cfg.data.group_by_length and train,
                                     worker_ignores=preemption.STOP_SIGNALS)
+
+    def source(self, ds: ShardedDataset) -> Any:
+        """The task's own view of ``ds`` (a language model's windows), built once per dataset:
+        every evaluation would otherwise read every index file again for the window offsets."""
+        if ds.root not in self.sources:
+            self.sources[ds.root] = self.task.source(ds)
+        return self.sources[ds.root]
 
     def example_batch(self) -> Batch:
         """The first sample of the training data as a batch of one, on this rank's device."""
@@ -762,7 +752,7 @@ class Trainer:
         (every window's targets)."""
         if self.eval_ds is None:
             return 0
-        source = self.task.source(self.eval_ds)
+        source = self.source(self.eval_ds)
         return len(self.eval_ds) if source is None else source.num_windows * source.seq_len
 
     def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float

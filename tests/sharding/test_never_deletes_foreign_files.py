@@ -108,6 +108,7 @@ def test_a_killed_writer_of_another_output_leaves_nothing_for_long(tmp_path: Pat
     lookalike = tmp_path / ".mine.tmp-keep"
     lookalike.mkdir()
     (lookalike / "data").write_text("not a writer's")
+    (lookalike / ".lock").write_text("")  # an unlocked .lock of its own: still not a writer's name
     live = DatasetWriter(tmp_path / "c")
     live.append({"x": np.ones((1, 4), np.float32)})
     try:

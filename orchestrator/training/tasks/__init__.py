@@ -14,15 +14,13 @@ user's ``task._target_=my_pkg.MyTask``: a subclass of ``Task`` constructed as
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from orchestrator.config import ConfigError, DataConfig
+from orchestrator.config import ConfigError, DataConfig, group_dict, import_target
 from sharding import ShardedDataset
 
 Batch = dict[str, Tensor]
@@ -92,7 +90,7 @@ class Task:
 def build_task(spec: Any, data: DataConfig) -> Task:
     """The task named by ``spec`` (the ``task`` group: a built-in's dataclass or a user's mapping
     with ``_target_``), constructed with the data config and the group's other keys."""
-    kwargs = task_spec(spec)
+    kwargs = group_dict(spec)
     target = kwargs.pop("_target_", None)
     cls = import_task(target)
     try:
@@ -106,21 +104,8 @@ def build_task(spec: Any, data: DataConfig) -> Task:
     return task
 
 
-def task_spec(spec: Any) -> dict[str, Any]:
-    return dict(asdict(spec) if is_dataclass(spec) and not isinstance(spec, type) else spec)
-
-
 def import_task(target: Any) -> type:
-    if not isinstance(target, str) or "." not in target:
-        raise ConfigError(f"task._target_={target!r} is invalid: it must be a dotted path to a Task "
-                          f"class (try task=classify, task=causal_lm, task=regress, or "
-                          f"task._target_=my_pkg.MyTask)")
-    module_name, _, attr = target.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"task._target_={target!r} cannot be imported ({e}) (try a class "
-                          f"importable on every node)") from e
+    found = import_target("task", target, "task=classify, task=causal_lm, task=regress")
     if not isinstance(found, type):
         raise ConfigError(f"task._target_={target!r} is a {type(found).__name__}, not a Task class")
     return found
