@@ -12,7 +12,10 @@ After a failure the submitting side reads the last beats (``verdict``):
   for several intervals, stopped answering: its whole process froze (SIGSTOP, swapped out, a
   driver call that never returns while holding the GIL) or its node went away. The pause counts
   too because SLURM sends SIGCONT before it terminates a step: a stopped rank wakes up and beats
-  once more before it dies, so its last beat alone looks fresh;
+  on (for as long as its stop handling takes) before it dies, so its last beat alone looks fresh.
+  A rank that *left* its heartbeat (its last beat says ``ended``: its collective raised and it
+  exited) is never judged by the age of that beat: the woken rank beating on after it is no sign
+  that the ranks which gave up on it froze;
 - otherwise, every rank kept beating until the job was stopped, and the ranks furthest behind in
   (step, phase) are the ones the others waited for (a data read or a loop of their own);
 - otherwise the heartbeats cannot tell, and the report says so instead of guessing.
@@ -37,6 +40,10 @@ from orchestrator import atomic
 # Where a rank's main thread is, in the order a step goes through them.
 PHASES = ("start", "data", "compute", "eval", "checkpoint", "done")
 STALE_INTERVALS = 3.0  # a beat this many intervals older than the newest one: that rank froze
+# A pause this many intervals long: that rank froze. Longer than STALE_INTERVALS because a busy node
+# (more ranks than cores, a GIL-holding call) delays a beat by seconds, while a frozen rank's pause
+# is the whole collective timeout, about ten intervals (interval_for).
+PAUSE_INTERVALS = 5.0
 
 
 def heartbeat_dir(run_dir: Path) -> Path:
@@ -60,6 +67,7 @@ class Beat:
     phase: str
     interval_s: float
     longest_pause_s: float = 0.0  # the longest time between two of this rank's beats
+    ended: bool = False  # the rank left its heartbeat (finished, or raised and exited)
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -85,14 +93,14 @@ class Heartbeat:
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
 
-    def beat(self) -> None:
+    def beat(self, ended: bool = False) -> None:
         now = time.monotonic()
         self._count += 1
         self._longest_pause_s = max(self._longest_pause_s, now - self._last)
         self._last = now
         record = Beat(rank=self.rank, node=self.node, pid=os.getpid(), beat=self._count,
                       time=time.time(), step=self.step, phase=self.phase, interval_s=self.interval_s,
-                      longest_pause_s=round(self._longest_pause_s, 3))
+                      longest_pause_s=round(self._longest_pause_s, 3), ended=ended)
         with contextlib.suppress(OSError):  # a full or flaky disk must not kill the training
             atomic.write_json(self.path, asdict(record), durable=False)
 
@@ -109,7 +117,7 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.beat()  # where this rank ended, for a report on a failure after it
+        self.beat(ended=True)  # where this rank ended, for a report on a failure after it
 
 
 def read_beats(run_dir: Path) -> list[Beat]:
@@ -134,11 +142,11 @@ def verdict(beats: Sequence[Beat], world_size: int) -> Verdict:
     newest = max(b.time for b in beats)
     interval = max(b.interval_s for b in beats)
     silent = sorted(set(range(world_size)) - {b.rank for b in beats})
-    stale = STALE_INTERVALS * interval
     frozen = {b.rank: f"its last heartbeat was {newest - b.time:.0f} s before the others'"
-              for b in beats if newest - b.time > stale}
+              for b in beats if not b.ended and newest - b.time > STALE_INTERVALS * interval}
     frozen.update({b.rank: f"its heartbeat paused for {b.longest_pause_s:.0f} s"
-                   for b in beats if b.rank not in frozen and b.longest_pause_s > stale})
+                   for b in beats
+                   if b.rank not in frozen and b.longest_pause_s > PAUSE_INTERVALS * interval})
     if frozen or silent:
         where = {b.rank: b.where() for b in beats}
         why = {r: f"stopped answering: {what} ({where[r]}); its process froze (stopped, swapped "

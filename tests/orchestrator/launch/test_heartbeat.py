@@ -107,3 +107,22 @@ def test_heartbeat_measures_its_longest_pause(tmp_path: Path) -> None:
     pulse.beat()
     [last] = read_beats(tmp_path)
     assert last.longest_pause_s >= 0.3
+
+
+def test_ranks_that_gave_up_are_not_blamed_when_the_woken_rank_beats_on() -> None:
+    """CI, job 880: the waiting ranks' collectives raised and they exited (their last beat says
+    ended); SLURM's SIGCONT woke frozen rank 3, which beat on for seconds while it was stopped.
+    Before: ranks 0, 1, 2 were named too, their last beats being 'older than the others''."""
+    gave_up = [Beat(rank=r, node="n1", pid=100 + r, beat=20, time=100.0, step=10, phase="compute",
+                    interval_s=0.8, ended=True) for r in range(3)]
+    woke = Beat(rank=3, node="n2", pid=103, beat=9, time=106.0, step=10, phase="compute",
+                interval_s=0.8, longest_pause_s=9.0)
+    found = verdict([*gave_up, woke], 4)
+    assert found.ranks == [3] and found.summary.startswith("rank 3 stopped answering")
+
+
+def test_a_busy_nodes_short_pause_blames_nobody() -> None:
+    """Four ranks on two cores delay a beat by a few intervals; a frozen rank pauses for ten."""
+    busy = Beat(rank=1, node="n1", pid=101, beat=6, time=100.1, step=10, phase="compute",
+                interval_s=1.0, longest_pause_s=3.5)
+    assert verdict([beat(0, 100.0), busy, beat(2, 100.2)], 3).ranks == []
