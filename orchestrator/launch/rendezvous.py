@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator import atomic
+from orchestrator.launch import gloo_interface
 from orchestrator.launch.dist_env import DistEnv
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
@@ -136,10 +137,44 @@ def init_process_group(env: DistEnv, rdzv_dir: Path, *, backend: str = "auto",
     """
     chosen = choose_backend(backend, device)
     store = start_store(env, rdzv_dir, rendezvous_timeout_s)
+    bind_gloo(env, store, rendezvous_timeout_s)
     dist.init_process_group(group_backend(chosen), store=store, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s),
                             device_id=device if device is not None and device.type == "cuda" else None)
     return chosen
+
+
+def bind_gloo(env: DistEnv, store: dist.Store, timeout_s: float) -> str | None:
+    """A job over several nodes: gloo binds an interface the other nodes reach, not the loopback
+    address the hostname may resolve to (see ``gloo_interface``). A rank off node 0 routes to rank
+    0's node; node 1's first rank publishes its own address in the store, and node 0's ranks, which
+    have no other node's address, route back to it. Returns the interface chosen, if any."""
+    if env.num_nodes <= 1:
+        return None
+    key = f"{gloo_interface.PEER_KEY}/{env.restart_count}"
+    if env.node_rank != 0:
+        peer = resolve(env.master_addr)
+        if env.node_rank == 1 and env.is_local_main:  # published whatever this rank's own setting
+            store.set(key, gloo_interface.route_source(peer))
+    elif not gloo_interface.needs_interface(env):
+        return None
+    else:
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise RendezvousError(f"rank {env.rank} on {env.hostname} waited {timeout_s:.0f} s for node "
+                                  f"1 to publish its address (gloo needs an interface that reaches "
+                                  f"it): check that node 1's ranks started (their logs)") from e
+        peer = store.get(key).decode()
+    if not gloo_interface.needs_interface(env):
+        return None
+    name = gloo_interface.choose(peer)
+    if name is not None and env.is_local_main:
+        host = socket.gethostname()
+        print(f"gloo: {host} resolves to {gloo_interface.hostname_address(host)} (loopback), so gloo "
+              f"binds {name}, the interface that reaches {peer} ({gloo_interface.IFNAME_ENV}={name})",
+              flush=True)
+    return name
 
 
 def destroy_process_group() -> None:
