@@ -7,9 +7,14 @@ format, chosen by the strategy. The trainer calls this and never branches on the
   fsync, the checksum, the atomic publish and the pruning run on a background thread. A save still
   running when the next is due is waited for; the save at a preemption or at the end is blocking.
   A background failure (a full disk) is raised at the next step boundary, naming the path.
-- ``Sharded`` (fsdp): every rank writes its shards into ``step-N.dcp/`` (``sharded_checkpoint``),
-  synchronously: its publish gathers every rank's checksums, a collective that must not run on a
-  thread beside the training's own.
+- ``Sharded`` (fsdp): every rank writes its shards into ``step-N.dcp/`` (``sharded_checkpoint``).
+  With ``async_save`` the loop waits only for each rank's copy of its own shards in host memory
+  (DCP's staging helpers: buffers kept across saves, pinned on a GPU); DCP's write, the train
+  state, the checksums and rank 0's publish run on a background thread on every rank. Their
+  collectives (DCP's plan exchange, the checksum gather, the barriers) go over a gloo group of
+  their own, made once at start-up: a background collective on the training's group could pair
+  with a training collective of another rank and hang or corrupt both, and on GPUs it keeps every
+  checkpoint collective on the host, off NCCL's streams.
 
 Either way a checkpoint appears only when whole, and a process killed at any moment leaves the
 previous checkpoint as the newest good one (the next save removes what the killed one left).
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from orchestrator.config import CheckpointConfig
 from orchestrator.training import checkpoint, runtime, sharded_checkpoint
@@ -58,6 +64,7 @@ class Checkpointer:
     def __init__(self, rt: Runtime, cfg: CheckpointConfig, directory: Path) -> None:
         self.rt, self.cfg, self.directory = rt, cfg, directory
         self.stats = SaveStats()
+        self.pending: _Background | None = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any], *, blocking: bool) -> None:
@@ -65,9 +72,30 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Raise a background save's failure (at a step boundary); never waits."""
+        if self.pending is not None and self.pending.done():
+            self._join()
 
     def wait(self) -> None:
-        """Wait for a background save; raise its failure."""
+        """The loop waits for a background save (a stop, the end): counted as blocking."""
+        started = time.perf_counter()
+        try:
+            self._join()
+        finally:
+            self.stats.blocking_s += time.perf_counter() - started
+
+    def _join(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.join()
+        self._record(pending.seconds)
+        if pending.error is not None:
+            raise CheckpointError(f"the background save of {pending.path} failed: "
+                                  f"{type(pending.error).__name__}: {pending.error}") from pending.error
+
+    def _record(self, seconds: float) -> None:
+        self.stats.save_s += seconds
+        self.stats.save_s_per_save.append(seconds)
 
     def find(self) -> Found | None:
         """The newest good checkpoint of ``directory`` (skipping damaged ones, with why), the same
@@ -104,7 +132,6 @@ class SingleFile(Checkpointer):
         super().__init__(rt, cfg, directory)
         self.module = module  # DDP's wrapper -> the model whose state is saved
         self.host = HostCopy()
-        self.pending: _Background | None = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any], *, blocking: bool) -> None:
@@ -117,40 +144,16 @@ class SingleFile(Checkpointer):
                 checkpoint.save(self.directory, step, state, self.cfg.keep_last)
                 self._record(time.perf_counter() - started)
             else:
-                self.pending = _Background(self.directory, step, self.host.copy(state),
-                                           self.cfg.keep_last, started)
+                staged = self.host.copy(state)
+                self.pending = _Background(
+                    checkpoint.path_for(self.directory, step), started,
+                    lambda: checkpoint.save(self.directory, step, staged, self.cfg.keep_last))
         dist.barrier()  # no rank runs ahead of the state being copied (or written, when blocking)
         self.stats.saves += 1
         self.stats.blocking_s += time.perf_counter() - started
 
-    def poll(self) -> None:
-        if self.pending is not None and self.pending.done():
-            self._join()
-
-    def wait(self) -> None:
-        """The loop waits for a background save (a stop, the end): counted as blocking."""
-        started = time.perf_counter()
-        try:
-            self._join()
-        finally:
-            self.stats.blocking_s += time.perf_counter() - started
-
-    def _join(self) -> None:
-        if self.pending is None:
-            return
-        pending, self.pending = self.pending, None
-        pending.join()
-        self._record(pending.seconds)
-        if pending.error is not None:
-            raise CheckpointError(f"the background save of {pending.path} failed: "
-                                  f"{type(pending.error).__name__}: {pending.error}") from pending.error
-
-    def _record(self, seconds: float) -> None:
-        self.stats.save_s += seconds
-        self.stats.save_s_per_save.append(seconds)
-
     def _find(self, listed: list[Path]) -> Found | None:
-        found = checkpoint.load_latest(self.directory) if self.rt.is_main else None
+        found = checkpoint.load_latest(listed[0].parent, listed) if self.rt.is_main else None
         chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
         if chosen is None:
             return None
@@ -164,18 +167,28 @@ class SingleFile(Checkpointer):
 class Sharded(Checkpointer):
     kind = "fsdp"
 
+    def __init__(self, rt: Runtime, cfg: CheckpointConfig, directory: Path) -> None:
+        super().__init__(rt, cfg, directory)
+        # Collective: every rank builds its checkpointer at the same point of start-up.
+        self.group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self.host = ShardCopy(on_gpu=rt.device.type == "cuda")
+
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any], *, blocking: bool) -> None:
         started = time.perf_counter()
-        sharded_checkpoint.save(self.directory, step, model, optimizer, train_state)
-        if self.rt.is_main:
-            checkpoint.prune(self.directory, self.cfg.keep_last)
-        dist.barrier()
-        seconds = time.perf_counter() - started
+        self._join()  # one save at a time: its group's collectives run in the same order everywhere
+        shards = sharded_checkpoint.tensors(model, optimizer)
+        if blocking or not self.cfg.async_save:
+            sharded_checkpoint.save(self.directory, step, shards, train_state, self.cfg.keep_last)
+            self._record(time.perf_counter() - started)
+        else:
+            staged, group = self.host.copy(shards), self.group
+            self.pending = _Background(
+                sharded_checkpoint.path_for(self.directory, step), started,
+                lambda: sharded_checkpoint.save(self.directory, step, staged, train_state,
+                                                self.cfg.keep_last, group))
         self.stats.saves += 1
-        self.stats.blocking_s += seconds
-        self.stats.save_s += seconds
-        self.stats.save_s_per_save.append(seconds)
+        self.stats.blocking_s += time.perf_counter() - started
 
     def _find(self, listed: list[Path]) -> Found | None:
         path, skipped = sharded_checkpoint.choose([p for p in listed if sharded_checkpoint.is_sharded(p)])
@@ -237,22 +250,53 @@ class HostCopy:
         return buffer
 
 
+class ShardCopy:
+    """This rank's shards (DTensors) copied into host buffers kept from one save to the next, with
+    DCP's own staging helpers (what its async stager uses): pinned on a GPU, the copies
+    non-blocking, one sync at the end. The training may change the originals once ``copy`` returns."""
+
+    def __init__(self, on_gpu: bool) -> None:
+        self.on_gpu = on_gpu
+        self.buffers: dict[str, Any] | None = None
+        self.layout: list[tuple[str, Any]] = []
+
+    def copy(self, shards: dict[str, Any]) -> dict[str, Any]:
+        layout = _layout(shards, "")
+        if self.buffers is None or layout != self.layout:  # e.g. the optimizer's state appeared
+            self.buffers = _create_cpu_state_dict(shards, pin_memory=self.on_gpu)
+            self.layout = layout
+        staged = _copy_state_dict(shards, self.buffers, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            torch.cuda.synchronize()  # every copy has landed before the background thread reads
+        return staged
+
+
+def _layout(value: Any, key: str) -> list[tuple[str, Any]]:
+    """Every tensor's place, shape and dtype: buffers made for one layout cannot take another."""
+    if isinstance(value, torch.Tensor):
+        return [(key, (tuple(value.shape), value.dtype))]
+    if isinstance(value, dict):
+        return [item for k, v in value.items() for item in _layout(v, f"{key}/{k}")]
+    if isinstance(value, list | tuple):
+        return [item for i, v in enumerate(value) for item in _layout(v, f"{key}/{i}")]
+    return []
+
+
 class _Background:
     """One save on its own thread: serialise, write, fsync, checksum, publish, prune."""
 
-    def __init__(self, directory: Path, step: int, state: dict[str, Any], keep_last: int,
-                 started: float) -> None:
-        self.path = checkpoint.path_for(directory, step)
+    def __init__(self, path: Path, started: float, write: Callable[[], object]) -> None:
+        self.path = path
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._started = started
-        self._thread = threading.Thread(target=self._run, args=(directory, step, state, keep_last),
-                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(write,), name=f"checkpoint-{path.name}",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, directory: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
+    def _run(self, write: Callable[[], object]) -> None:
         try:
-            checkpoint.save(directory, step, state, keep_last)
+            write()
         except BaseException as e:  # reported by the trainer's thread at the next step boundary
             self.error = e
         finally:

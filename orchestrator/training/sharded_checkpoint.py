@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from orchestrator.atomic import fsync_dir, write_json
+from orchestrator.training import checkpoint
 from orchestrator.training.checkpoint import CheckpointError, file_checksum
 
 SUFFIX = ".dcp"
@@ -57,43 +58,47 @@ def _partial(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial")
 
 
-def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's shards, keyed by parameter name (DCP matches them by name and offset)."""
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
-def _gather(value: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+def _gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def save(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         train_state: dict[str, Any]) -> Path:
-    """Every rank calls this (collective). Rank 0 publishes the directory once it is complete."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[str, Any],
+         keep_last: int, group: dist.ProcessGroup | None = None) -> Path:
+    """Every rank calls this (collective over ``group``, the default group when None) with its own
+    ``shards`` (``tensors``, or a host copy of them). Rank 0 publishes the directory once it is
+    complete, then prunes to ``keep_last``. A background save passes its own gloo group: its
+    collectives then never interleave with the training's on the default group."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = path_for(directory, step)
     partial = _partial(final)
     if rank == 0:  # a save killed earlier left its partial directory: nobody else writes here
         for stale in directory.glob(f".step-*{SUFFIX}.partial"):
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_tensors(model, optimizer), storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    dist.barrier(group=group)
+    dcp.save(shards, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), process_group=group)
     if rank == 0:
         with open(partial / TRAIN_STATE, "wb") as f:
             torch.save(train_state, f)
             f.flush()
             os.fsync(f.fileno())
-    dist.barrier()
+    dist.barrier(group=group)
     names = sorted(p.name for p in partial.iterdir())
     mine = {name: file_checksum(partial / name) for i, name in enumerate(names) if i % world == rank}
-    everyone = _gather(mine)  # each rank hashes its share, read back from the page cache
+    everyone = _gather(mine, group)  # each rank hashes its share, read back from the page cache
     if rank == 0:
         write_json(partial / CHECKSUMS, {k: v for part in everyone for k, v in sorted(part.items())},
                    indent=1)
         _publish(partial, final)
-    dist.barrier()
+        checkpoint.prune(directory, keep_last)
+    dist.barrier(group=group)
     return final
 
 
@@ -158,7 +163,7 @@ def train_state(path: Path) -> dict[str, Any]:
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank reads the pieces of its own shards, whatever world size wrote them."""
-    state = _tensors(model, optimizer)
+    state = tensors(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as e:  # every rank fails alike: the files passed their checksums

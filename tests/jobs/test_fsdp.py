@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -81,6 +82,36 @@ def test_an_fsdp_run_continued_in_place_ends_bit_identical(tmp_path: Path) -> No
     assert b["param_checksum_per_rank"] == a["param_checksum_per_rank"]
     assert [m["train_loss"] for m in metrics(tmp_path / "b")][5:] == \
         [m["train_loss"] for m in metrics(tmp_path / "a")][5:]
+
+
+def test_an_async_fsdp_save_writes_what_a_blocking_one_writes(tmp_path: Path) -> None:
+    """The background save (each rank's host copy of its shards, then DCP's write, the checksums and
+    the publish on a gloo group of their own) writes the shards a blocking save writes, while the
+    training goes on changing the weights, and both runs end bit-identical. DCP's ``.metadata``
+    differs by its save id and path alone: its index of every tensor is compared instead."""
+    same = ["parallelism.strategy=fsdp", "deterministic=true", "checkpoint.every_steps=3",
+            "checkpoint.keep_last=5", "optim.max_steps=9"]
+    ok(train(tmp_path / "sync", *same, "checkpoint.async_save=false"))
+    ok(train(tmp_path / "async", *same, "checkpoint.async_save=true"))
+    for step in (3, 6, 9):
+        name = f"step-{step:09d}.dcp"
+        written = {run: json.loads((tmp_path / run / "run" / "checkpoints" / name / "checksums.json")
+                                   .read_text()) for run in ("sync", "async")}
+        shards = {k: v for k, v in written["async"].items() if k.endswith(".distcp")}
+        assert len(shards) == 2 and shards == {k: v for k, v in written["sync"].items()
+                                               if k.endswith(".distcp")}
+        index = {run: pickle.loads((tmp_path / run / "run" / "checkpoints" / name / ".metadata")
+                                   .read_bytes()) for run in ("sync", "async")}
+        assert index["sync"].state_dict_metadata == index["async"].state_dict_metadata
+        assert index["sync"].storage_data == index["async"].storage_data
+    a, b = summary(tmp_path / "sync"), summary(tmp_path / "async")
+    assert a["param_checksum_per_rank"] == b["param_checksum_per_rank"]
+    assert b["checkpoint_saves"] == a["checkpoint_saves"] == 3
+    # A blocking save's wait is the whole save; the loop waited only for the copies of the first two
+    # (and for the last, at the end, whole): less than the saves took, whatever the machine's speed.
+    assert a["checkpoint_blocking_s"] >= a["checkpoint_save_s"]
+    assert b["checkpoint_blocking_s"] < b["checkpoint_save_s"]
+    assert not list((tmp_path / "async" / "run" / "checkpoints").glob(".*")), "no partial left behind"
 
 
 def test_an_fsdp_checkpoint_of_4_ranks_resumes_on_2(tmp_path: Path) -> None:
