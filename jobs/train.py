@@ -37,7 +37,16 @@ from orchestrator.config import (
     register_configs,
     unknown_keys,
 )
-from orchestrator.launch import attach, dist_env, provenance, rendezvous, run_lock, snapshot, submit
+from orchestrator.launch import (
+    attach,
+    dist_env,
+    provenance,
+    rendezvous,
+    run_lock,
+    signal_delay,
+    snapshot,
+    submit,
+)
 from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import checks, estimate, trainer
@@ -109,6 +118,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if launch is not None:
         return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
     print(f"run_dir: {run_dir}", flush=True)
+    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
     paths, memory = check_before_submit(cfg)
     run_lock.check_free(run_dir)
     code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))

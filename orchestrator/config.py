@@ -126,6 +126,7 @@ class ParallelismConfig:
 
 
 NEVER_STARTS = ("cancel", "keep")
+DEFAULT_SIGNAL_DELAY_S = 120  # cluster.signal_delay_s, and what auto takes when nothing was measured
 
 
 # Never copied into a snapshot (a Python package, a directory with __init__.py, is kept whatever its name).
@@ -168,7 +169,9 @@ class ClusterConfig:
     mem_gb: float | None = None  # per node; None: the partition's default
     gpu_mem_gb: float | None = None  # GiB of each GPU, for the memory estimate; None: found or unknown
     cpus_per_task: int = 1
-    signal_delay_s: int = 120  # SIGUSR2 this long before the time limit: checkpoint and requeue
+    # SIGUSR2 this long before the time limit: checkpoint and requeue. auto: from the slowest
+    # checkpoint save the last run in the same run directory measured (orchestrator/launch/signal_delay.py)
+    signal_delay_s: int | str = DEFAULT_SIGNAL_DELAY_S
     max_requeues: int = 3  # preemptions/timeouts survived before the job gives up
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (the one place for shell)
     srun_args: list[str] = field(default_factory=list)  # extra srun arguments, one per item
@@ -211,16 +214,26 @@ class ClusterConfig:
         for key in ("timeout_min", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")
-        if self.signal_delay_s < 0 or self.signal_delay_s >= self.timeout_min * 60:
-            raise invalid("cluster.signal_delay_s", self.signal_delay_s,
-                          f"must be between 0 and the time limit ({self.timeout_min * 60} s)",
-                          "cluster.signal_delay_s=120")
+        self._check_signal_delay()
         if self.max_requeues < 0:
             raise invalid("cluster.max_requeues", self.max_requeues, "must be >= 0",
                           "cluster.max_requeues=3")
         for key in ("rendezvous_timeout_s", "collective_timeout_s"):
             if getattr(self, key) <= 0:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be > 0", f"cluster.{key}=180")
+
+    def _check_signal_delay(self) -> None:
+        """A number of seconds below the time limit, or ``auto`` (a number once submitted)."""
+        if isinstance(self.signal_delay_s, str):
+            if self.signal_delay_s != "auto":
+                raise invalid("cluster.signal_delay_s", self.signal_delay_s, "a number of seconds, or "
+                              "auto (from the saves the last run in the run directory measured)",
+                              "cluster.signal_delay_s=auto, or cluster.signal_delay_s=120")
+            return
+        if self.signal_delay_s < 0 or self.signal_delay_s >= self.timeout_min * 60:
+            raise invalid("cluster.signal_delay_s", self.signal_delay_s,
+                          f"must be between 0 and the time limit ({self.timeout_min * 60} s)",
+                          "cluster.signal_delay_s=120, or cluster.signal_delay_s=auto")
 
 
 _JOB_REF = r"\d+(?:_\d+)?(?:\+\d+)?"  # 1234, an array task 1234_7, and a +time delay

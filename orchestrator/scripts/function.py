@@ -15,6 +15,7 @@ on SLURM's time-limit signal rank 0 calls it and requeues, as plain submitit wou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import time
@@ -27,7 +28,7 @@ import submitit
 from omegaconf import OmegaConf
 
 from orchestrator import atomic
-from orchestrator.launch import dist_env, local_jobs, provenance, rank_env, run_lock, submit
+from orchestrator.launch import dist_env, local_jobs, provenance, rank_env, run_lock, signal_delay, submit
 from orchestrator.scripts import job as run_job
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
@@ -212,6 +213,7 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     ``result()``)."""
     cfg = compose(overrides)
     run = Path(run_dir or default_run_dir(fn)).absolute()
+    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run))
     run_job.check_resources(cfg)
     run_lock.check_free(run)
     spec = FunctionSpec(str(run), cfg.parallelism.gpus_per_node, cfg.cluster.max_requeues,

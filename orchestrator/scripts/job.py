@@ -9,6 +9,7 @@ for it, failing with the failing rank's name and log tail.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -26,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_app_check
-from orchestrator.launch import dist_env, provenance, rank_env, run_lock, slurm_request, submit
+from orchestrator.launch import dist_env, provenance, rank_env, run_lock, signal_delay, slurm_request, submit
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
 from orchestrator.sweeps import single
@@ -44,10 +45,11 @@ def load_config(cfg: DictConfig) -> RunConfig:
         raise cause or ConfigError(str(e)) from e
 
 
-def spec_of(cfg: RunConfig) -> rank.CommandSpec:
+def spec_of(cfg: RunConfig, run_dir: Path) -> rank.CommandSpec:
     return rank.CommandSpec(argv=list(cfg.command), cwd=cfg.cwd or os.getcwd(),
                             gpus_per_node=cfg.parallelism.gpus_per_node,
-                            max_requeues=cfg.cluster.max_requeues, signal_delay_s=cfg.cluster.signal_delay_s,
+                            max_requeues=cfg.cluster.max_requeues,
+                            signal_delay_s=signal_delay.submitted_seconds(cfg.cluster, run_dir),
                             rendezvous_timeout_s=cfg.cluster.rendezvous_timeout_s,
                             telemetry=cfg.telemetry.enabled, telemetry_interval_s=cfg.telemetry.interval_s)
 
@@ -140,12 +142,13 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
         ) -> list[rank.RankResult] | None:
     if dist_env.inside_launched_job():  # a sweep point's task: this process is one rank
         if dist_env.detect().is_main:
-            write_run_files(run_dir, cfg, spec_of(cfg), config_yaml)
-        return [rank.run_rank(spec_of(cfg), str(run_dir))]
+            write_run_files(run_dir, cfg, spec_of(cfg, run_dir), config_yaml)
+        return [rank.run_rank(spec_of(cfg, run_dir), str(run_dir))]
     print(f"run_dir: {run_dir}", flush=True)
+    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
     check_before_submit(cfg)
     run_lock.check_free(run_dir)
-    spec = spec_of(cfg)
+    spec = spec_of(cfg, run_dir)
     write_run_files(run_dir, cfg, spec, config_yaml)
     if cfg.cluster.mode == "debug":
         with rank.redirected_signals():

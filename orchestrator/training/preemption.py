@@ -15,7 +15,6 @@ Which signal means what:
 
 from __future__ import annotations
 
-import math
 import signal
 import subprocess
 import threading
@@ -26,24 +25,6 @@ from types import FrameType
 # ignore them (torch's worker handler would die of SIGTERM, which SLURM sends to every process of
 # the step, and the trainer would raise before it reaches the step boundary and checkpoints).
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-
-
-# Seconds added to twice the slowest save: the stop waits for the next step boundary, and a
-# requeue's scontrol call must finish before SLURM's SIGKILL at the limit.
-SIGNAL_MARGIN_S = 10
-
-
-def lead_time_warning(signal_delay_s: int, slowest_save_s: float) -> str | None:
-    """A warning when the time-limit signal comes too late for the checkpoint it triggers: less
-    than twice the slowest save measured in this run, plus ``SIGNAL_MARGIN_S``. A save still being
-    written at the time limit is killed half-written (the previous checkpoint is kept)."""
-    fits = math.ceil(2 * slowest_save_s + SIGNAL_MARGIN_S)
-    if slowest_save_s <= 0 or signal_delay_s >= fits:
-        return None
-    return (f"cluster.signal_delay_s={signal_delay_s} may be too short: the slowest checkpoint save "
-            f"took {slowest_save_s:.1f} s, and the save at the time-limit signal needs about twice "
-            f"that plus {SIGNAL_MARGIN_S} s to finish before SLURM kills the job "
-            f"(try cluster.signal_delay_s={fits})")
 
 
 class StopReason(IntEnum):

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, TrainConfig, group_dict, import_target
-from orchestrator.launch import dist_env, provenance, rendezvous, run_lock
+from orchestrator.launch import dist_env, provenance, rendezvous, run_lock, signal_delay
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import (
     clear_end_summary,
@@ -758,9 +758,11 @@ class Trainer:
     def summarise(self, train_loss: float, eval_loss: float, eval_counted: int, wall_s: float
                   ) -> dict[str, Any]:
         saves = self.checkpointer.stats.as_summary()
-        late = preemption.lead_time_warning(self.cfg.cluster.signal_delay_s,
-                                            saves["checkpoint_slowest_save_s"])
-        if late is not None and self.cfg.cluster.mode == "slurm":  # only SLURM sends the signal
+        on_slurm = self.cfg.cluster.mode == "slurm"  # only SLURM sends the signal
+        chosen = signal_delay.recorded(self.run_dir) if on_slurm else None  # and why: summary.json
+        late = signal_delay.lead_time_warning(signal_delay.submitted_seconds(self.cfg.cluster, self.run_dir),
+                                              saves["checkpoint_slowest_save_s"])
+        if late is not None and on_slurm:
             self.checkpoint_warnings.append(late)
         per_rank = runtime.gather(self.rt, {
             "samples": self.samples_seen, "units": int(self.units), "batches": self.batches_seen,
@@ -780,7 +782,7 @@ class Trainer:
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
-            "skipped_nonfinite_steps": self.skipped_steps, **saves,
+            "skipped_nonfinite_steps": self.skipped_steps, **saves, "signal_delay": chosen,
             "resume_s": self.resumed_from["resume_s"] if self.resumed_from else None,
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
