@@ -28,6 +28,8 @@ class FakeGpu:
     processes: list[list[tuple[int, int]]] = field(default_factory=list)  # per tick: (pid, bytes)
     total: int = TOTAL
     uuid: str = ""
+    name: str = "NVIDIA H100 80GB HBM3"
+    capability: tuple[int, int] = (9, 0)
 
 
 class FakeNvml:
@@ -63,6 +65,12 @@ class FakeNvml:
             if gpu.uuid == wanted:
                 return gpu
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetName(self, handle: FakeGpu) -> str:
+        return handle.name
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeGpu) -> tuple[int, int]:
+        return handle.capability
 
     def nvmlDeviceGetIndex(self, handle: FakeGpu) -> int:
         return next(i for i, gpu in enumerate(self.gpus) if gpu is handle)

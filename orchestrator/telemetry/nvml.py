@@ -40,6 +40,10 @@ class NvmlApi(Protocol):
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]: ...  # .pid .usedGpuMemory
 
+    def nvmlDeviceGetName(self, handle: Any) -> str | bytes: ...
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]: ...  # (8, 0): A100
+
 
 # What NVML raises when a query is refused (no permission in a container, GPU fell off the bus).
 NVML_ERRORS: tuple[type[BaseException], ...] = \

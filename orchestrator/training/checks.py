@@ -42,6 +42,7 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> estimate.MemoryRe
     if cfg.cluster.mode != "slurm" and task.source(train) is None:  # this machine's /dev/shm is theirs
         check_worker_memory(paths, cfg)
     run_log.check_available(cfg.logger)
+    estimate.check_bf16(cfg)
     check_model(cfg, task, train)
     memory = estimate.check_memory(cfg, task, train, example_batch(task, train))
     if cfg.cluster.mode == "slurm":

@@ -50,7 +50,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore  # with torch's "fake" backend
 
 from orchestrator import atomic
-from orchestrator.config import ConfigError, TrainConfig
+from orchestrator.config import ClusterConfig, ConfigError, TrainConfig
 from orchestrator.telemetry import nvml
 from orchestrator.training import strategy, trainer
 from orchestrator.training.tasks import Batch, Task
@@ -60,14 +60,17 @@ GIB = 1 << 30
 FIT_FRACTION = 0.95  # above this share of the GPU a step is refused: the allocator needs headroom
 ESTIMATE_FILE = "memory-estimate.json"  # RUN/: written before submission, read into summary.json
 
-# GiB of the common data-centre GPUs, by the names SLURM sites give them in GRES and features.
-# Where a name has two sizes the smaller is assumed (the refusal says so): a wrong "fits" costs a
-# queue wait and an OOM, a wrong "does not fit" costs one override.
-GPU_GIB: tuple[tuple[str, str, float], ...] = (  # (pattern, name, GiB), the first match wins
-    (r"a100.?(80|sxm4.?80)", "A100 80GB", 80), (r"a100", "A100 (40 or 80 GiB: 40 assumed)", 40),
-    (r"h200", "H200", 141), (r"h100", "H100", 80), (r"l40s?", "L40S", 48),
-    (r"v100.?32", "V100 32GB", 32), (r"v100", "V100 (16 or 32 GiB: 16 assumed)", 16),
+# GiB of the common data-centre GPUs, by the names SLURM sites give them in GRES and features,
+# and whether they compute in bf16 (compute capability 8.0 and later: A100 on; a V100 or T4 has
+# none). Where a name has two sizes the smaller is assumed (the refusal says so): a wrong "fits"
+# costs a queue wait and an OOM, a wrong "does not fit" costs one override.
+GPU_GIB: tuple[tuple[str, str, float, bool], ...] = (  # (pattern, name, GiB, bf16), first match wins
+    (r"a100.?(80|sxm4.?80)", "A100 80GB", 80, True), (r"a100", "A100 (40 or 80 GiB: 40 assumed)", 40, True),
+    (r"h200", "H200", 141, True), (r"h100", "H100", 80, True), (r"l40s?", "L40S", 48, True),
+    (r"v100.?32", "V100 32GB", 32, False), (r"v100", "V100 (16 or 32 GiB: 16 assumed)", 16, False),
+    (r"(?<![a-z0-9])t4(?![0-9])", "T4", 16, False), (r"p100", "P100 (12 or 16 GiB: 12 assumed)", 12, False),
 )
+BF16_CAPABILITY = (8, 0)  # CUDA compute capability from which a GPU computes in bf16
 
 
 class EstimateUnavailable(RuntimeError):
@@ -97,7 +100,7 @@ class Capacity:
     bytes: int
     name: str  # "H100", "cluster.gpu_mem_gb", "GPU 0 of this machine", "host memory per rank"
     is_gpu: bool
-    has_bf16: bool = True  # False: a V100 (the refusal suggests memory.amp=fp16 instead)
+    has_bf16: bool = True  # False: a V100 or T4 (memory.amp=bf16 is refused; fp16 is suggested)
 
 
 @dataclass(frozen=True)
@@ -320,10 +323,24 @@ def gpu_capacity(cfg: TrainConfig) -> Capacity | None:
         total = cluster.mem_gb * GIB if cluster.mode == "slurm" and cluster.mem_gb else \
             psutil.virtual_memory().total
         return Capacity(int(total / parallelism.procs_per_node), "host memory per rank", is_gpu=False)
-    if cluster.gpu_mem_gb is not None:
-        return Capacity(int(cluster.gpu_mem_gb * GIB), f"cluster.gpu_mem_gb={cluster.gpu_mem_gb:g}", True)
-    if cluster.mode != "slurm":
-        return local_gpu(parallelism.gpus_per_node)
+    known = named_gpu(cfg)
+    if cluster.gpu_mem_gb is not None:  # the size given; bf16 or not is still the GPU's own
+        return Capacity(int(cluster.gpu_mem_gb * GIB), f"cluster.gpu_mem_gb={cluster.gpu_mem_gb:g}", True,
+                        has_bf16=known is None or known.has_bf16)
+    return known
+
+
+def named_gpu(cfg: TrainConfig) -> Capacity | None:
+    """The GPU the ranks get, as far as it is known here: NVML on this machine (``cluster=local``,
+    ``debug``), the type a SLURM job asks for; None: unknown."""
+    if cfg.cluster.mode != "slurm":
+        return local_gpu(cfg.parallelism.gpus_per_node)
+    return requested_gpu(cfg.cluster)
+
+
+def requested_gpu(cluster: ClusterConfig) -> Capacity | None:
+    """The GPU a SLURM job asks for: a type in ``cluster.sbatch_args`` (``--gres=gpu:h100:4``), a
+    ``cluster.constraint``, or the partition's GRES."""
     for source in [*cluster.sbatch_args, cluster.constraint or "", *partition_gres(cluster.partition)]:
         known = gpu_by_name(source)
         if known is not None:
@@ -333,9 +350,9 @@ def gpu_capacity(cfg: TrainConfig) -> Capacity | None:
 
 def gpu_by_name(text: str) -> Capacity | None:
     """The first known GPU named in ``text`` (a GRES like ``gpu:h100:4``, a feature)."""
-    for pattern, name, size_gib in GPU_GIB:
+    for pattern, name, size_gib, has_bf16 in GPU_GIB:
         if re.search(pattern, text.lower()):
-            return Capacity(int(size_gib * GIB), name, is_gpu=True, has_bf16=not name.startswith("V100"))
+            return Capacity(int(size_gib * GIB), name, is_gpu=True, has_bf16=has_bf16)
     return None
 
 
@@ -352,18 +369,36 @@ def partition_gres(partition: str | None) -> list[str]:
 def local_gpu(count: int, api: nvml.NvmlApi | nvml.NvmlChoice | None = "auto",
               environ: Mapping[str, str] = os.environ) -> Capacity | None:
     """The smallest of the first ``count`` GPUs this process sees, through NVML (``api``: tests
-    inject a scripted one)."""
+    inject a scripted one); without bf16 if any of them has none, named after that one."""
     api = nvml.resolve_nvml(api)
     if api is None:
         return None
     try:
         indices = [i for i in nvml.visible_gpus(api, environ)[:count] if i is not None]
-        sizes = [int(api.nvmlDeviceGetMemoryInfo(api.nvmlDeviceGetHandleByIndex(i)).total)
-                 for i in indices]
+        handles = [api.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        sizes = [int(api.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
+        bf16 = [tuple(api.nvmlDeviceGetCudaComputeCapability(h)) >= BF16_CAPABILITY for h in handles]
+        if not sizes:
+            return None
+        at = bf16.index(False) if not all(bf16) else sizes.index(min(sizes))
+        name = api.nvmlDeviceGetName(handles[at])
     except nvml.NVML_ERRORS:
         return None
-    return Capacity(min(sizes), f"GPU {indices[sizes.index(min(sizes))]} of this machine", True) \
-        if sizes else None
+    name = name.decode() if isinstance(name, bytes) else name
+    return Capacity(min(sizes), f"GPU {indices[at]} of this machine ({name})", True, has_bf16=all(bf16))
+
+
+def check_bf16(cfg: TrainConfig) -> None:
+    """``memory.amp=bf16`` on a GPU known to have no bf16 (compute capability below 8.0: a V100,
+    a T4) is refused before submission: such a GPU emulates it at a fraction of fp16's speed, or
+    the kernels refuse it. Unknown GPUs (a SLURM job naming no GPU type) pass."""
+    if cfg.memory.amp != "bf16" or cfg.parallelism.gpus_per_node == 0:
+        return
+    gpu = named_gpu(cfg)
+    if gpu is not None and not gpu.has_bf16:
+        raise ConfigError(f"memory.amp=bf16 is invalid on {gpu.name}: it has no bf16 (compute capability "
+                          f"below 8.0) (try memory.amp=fp16, which trains with a gradient scaler, or "
+                          f"memory.amp=none for fp32)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from fake_nvml import FakeGpu, FakeNvml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from jobs import train
 from orchestrator.config import ConfigError, TrainConfig
+from orchestrator.telemetry import nvml
 from orchestrator.training import checks, estimate
 from orchestrator.training.estimate import FIT_FRACTION, GIB
 from orchestrator.training.tasks import build_task
@@ -119,3 +121,30 @@ def test_a_model_that_reads_values_on_the_host_is_submitted_unestimated(
     report = memory_check(config(tmp_path, "model=custom", "model._target_=host_reading.Net"))
     assert report is not None and report.estimate is None
     assert report.line().startswith("memory: not estimated (the step does not run on fake tensors: ")
+
+
+BF16 = ["parallelism=gpu", "memory.amp=bf16"]
+
+
+@pytest.mark.parametrize("gres, named", [("--gres=gpu:v100:4", r"V100 \(16 or 32 GiB"),
+                                         ("--gres=gpu:t4:2", "T4")])
+def test_bf16_on_a_slurm_gpu_type_without_it_is_refused_before_submission(tmp_path: Path, gres: str,
+                                                                           named: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^memory.amp=bf16 is invalid on {named}.*: it has no bf16 "
+                                          r"\(compute capability below 8.0\) \(try memory.amp=fp16, "
+                                          r"which trains with a gradient scaler, or memory.amp=none"):
+        train.check_before_submit(config(tmp_path, "cluster=slurm", *BF16,
+                                         f"cluster.sbatch_args=[\"{gres}\"]"))
+    estimate.check_bf16(config(tmp_path, "cluster=slurm", *BF16, 'cluster.sbatch_args=["--gres=gpu:h100:4"]'))
+    estimate.check_bf16(config(tmp_path, "cluster=slurm", "parallelism=gpu", "memory.amp=fp16",
+                               f"cluster.sbatch_args=[\"{gres}\"]"))
+
+
+def test_bf16_on_this_machines_t4_is_refused_before_submission(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    t4 = FakeGpu(used=[0], util=[0], total=16 * GIB, name="Tesla T4", capability=(7, 5))
+    monkeypatch.setattr(nvml, "load_nvml", lambda: FakeNvml([t4]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ConfigError, match=r"^memory.amp=bf16 is invalid on GPU 0 of this machine "
+                                          r"\(Tesla T4\)"):
+        train.check_before_submit(config(tmp_path, *BF16, "parallelism.gpus_per_node=1"))

@@ -240,10 +240,21 @@ def test_fsdp_is_not_estimated_inside_a_running_process_group(cache: Path) -> No
 def test_on_this_machine_the_smallest_visible_gpu_counts() -> None:
     gpus = [FakeGpu(used=[0], util=[0], total=24 * GIB), FakeGpu(used=[0], util=[0], total=16 * GIB),
             FakeGpu(used=[0], util=[0], total=8 * GIB)]
-    assert estimate.local_gpu(2, FakeNvml(gpus), NO_ENV) == Capacity(16 * GIB, "GPU 1 of this machine", True)
+    assert estimate.local_gpu(2, FakeNvml(gpus), NO_ENV) == \
+        Capacity(16 * GIB, "GPU 1 of this machine (NVIDIA H100 80GB HBM3)", True)
     assert estimate.local_gpu(1, FakeNvml(gpus), {"CUDA_VISIBLE_DEVICES": "2"}) == \
-        Capacity(8 * GIB, "GPU 2 of this machine", True)
+        Capacity(8 * GIB, "GPU 2 of this machine (NVIDIA H100 80GB HBM3)", True)
     assert estimate.local_gpu(1, None) is None  # no driver: unknown, nothing refused
+    gpus[2] = FakeGpu(used=[0], util=[0], total=16 * GIB, name="Tesla T4", capability=(7, 5))
+    assert estimate.local_gpu(3, FakeNvml(gpus), NO_ENV) == \
+        Capacity(8 * GIB, "GPU 2 of this machine (Tesla T4)", True, has_bf16=False)
+
+
+def test_gpus_without_bf16_are_known_by_their_gres_names() -> None:
+    without = ["gpu:v100:4", "gpu:tesla_t4:2", "--gres=gpu:t4:1", "gpu:p100:2", "v100-32gb"]
+    assert [gpu.has_bf16 for gpu in map(estimate.gpu_by_name, without) if gpu] == [False] * 5
+    assert all(gpu and gpu.has_bf16 for gpu in map(estimate.gpu_by_name, ["gpu:a100:8", "h100", "l40s"]))
+    assert estimate.gpu_by_name("gpu:rtx4090:1") is None  # not a T4
 
 
 def test_a_sweep_runs_each_distinct_step_once(cache: Path) -> None:
