@@ -98,9 +98,40 @@ def _from_sacct(ids: list[str], timeout_s: float) -> dict[str, str]:
     return states
 
 
-def _from_squeue(ids: list[str], timeout_s: float) -> dict[str, str]:
+def accounted_state(job_id: str, timeout_s: float = 30) -> str | None:
+    """The job's state in accounting (``sacct``); None when accounting does not answer about it:
+    sacct fails, or prints its header alone (slurmdbd down, restarting, or lagging behind)."""
     try:
-        proc = subprocess.run(["squeue", "-h", "-o", "%i|%T", "-j", ",".join(ids)],
+        state = _from_sacct([job_id], timeout_s).get(job_id)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return None if state in (None, "UNKNOWN") else state
+
+
+def controller_state(job_id: str, timeout_s: float = 30) -> str | None:
+    """The job's state in the controller (``squeue -t all``, which needs no slurmdbd): pending,
+    running, and ended jobs slurmctld has not purged yet (MinJobAge). None when squeue no longer
+    lists the job, or does not answer."""
+    try:
+        return controller_states([job_id], timeout_s).get(job_id)
+    except SlurmQueryError:
+        return None
+
+
+def controller_states(job_ids: Sequence[str], timeout_s: float = 30) -> dict[str, str]:
+    """``{job id: STATE}`` as slurmctld holds them now (``squeue -t all``): unlike accounting, a
+    cancelled job whose ranks are still ending reads COMPLETING here. Ids squeue no longer lists
+    are left out; raises SlurmQueryError when squeue does not answer."""
+    states: dict[str, str] = {}
+    for chunk in id_chunks(sorted(set(job_ids))):
+        states.update(_from_squeue(chunk, timeout_s, every_state=True))
+    return states
+
+
+def _from_squeue(ids: list[str], timeout_s: float, every_state: bool = False) -> dict[str, str]:
+    states = ["-t", "all"] if every_state else []
+    try:
+        proc = subprocess.run(["squeue", "-h", *states, "-o", "%i|%T", "-j", ",".join(ids)],
                               capture_output=True, text=True, timeout=timeout_s, check=False)
     except (subprocess.SubprocessError, OSError) as e:
         raise SlurmQueryError(str(e)) from e

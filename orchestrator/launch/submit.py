@@ -6,9 +6,11 @@ before it sees submitit.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -222,12 +224,70 @@ def submit(executor: submitit.Executor, fn: Callable[..., R], *args: Any, **kwar
         raise SubmissionError(f"sbatch refused the job, nothing was queued: {said or e}") from e
 
 
-def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0) -> None:
+# How long SLURM accounting may stay silent about a job before the submitter says so.
+ACCOUNTING_PATIENCE_S = 60.0
+# The state StateWatch reports for a job squeue has forgotten whose ending accounting never told.
+ENDED = "ENDED"
+# States in which a job has not ended yet (submitit's list, plus the brief ones around a start).
+STILL_GOING = frozenset({"READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING",
+                         "PREEMPTED", "CONFIGURING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD"})
+
+
+class StateWatch:
+    """One SLURM job's state, read through a gap in accounting.
+
+    sacct answers first. When it does not list the job (slurmdbd down, restarting or lagging:
+    sacct prints its header alone), the controller does (``squeue -t all``); once squeue has
+    forgotten the job too, its result files say whether every rank has finished (``ENDED``), and
+    after ``patience_s`` it is taken as ended without them. When accounting has been silent for
+    ``patience_s``, this says so once, on stderr, with what it goes by instead: before, such a
+    job was taken as pending (UNKNOWN) and waited for in silence.
+    """
+
+    def __init__(self, job: submitit.Job[Any], patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
+        self.job = job
+        self.patience_s = patience_s
+        self._silent_since: float | None = None
+        self._told = False
+
+    def state(self) -> str:
+        job_id = str(self.job.job_id)
+        accounted = slurm_query.accounted_state(job_id)
+        if accounted is not None:
+            self._silent_since = None
+            return accounted
+        now = time.monotonic()
+        self._silent_since = now if self._silent_since is None else self._silent_since
+        silent_s = now - self._silent_since
+        queued = slurm_query.controller_state(job_id)
+        missing = [rank for rank, task in enumerate(_tasks(self.job))
+                   if not task.paths.result_pickle.exists()]
+        if queued is not None:
+            state, seen = queued, f"squeue lists it {queued}"
+        elif not missing or silent_s >= self.patience_s:
+            state = ENDED
+            seen = ("squeue no longer lists it; going by its result files" if not missing else
+                    f"squeue no longer lists it, and ranks {missing} wrote no result: taken as ended")
+        else:
+            state, seen = "UNKNOWN", "squeue no longer lists it"
+        if silent_s >= self.patience_s and not self._told:
+            self._told = True
+            print(f"switchyard: SLURM accounting has not answered about job {job_id} for "
+                  f"{silent_s:.0f} s; {seen}", file=sys.stderr, flush=True)
+        return state
+
+
+def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0,
+                  patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
     """Wait while a SLURM job is pending; one whose pending reason it can never meet (a limit
     below its request: ``slurm_request.UNSATISFIABLE``; a dependency never satisfied, or a hold:
     ``NEVER_RELEASED``) is cancelled, or left queued with
-    ``cluster.never_starts=keep``, and reported instead of waited for forever."""
-    while isinstance(job, submitit.SlurmJob) and job.state in ("PENDING", "UNKNOWN", "REQUEUED"):
+    ``cluster.never_starts=keep``, and reported instead of waited for forever. The state is read
+    through gaps in accounting (``StateWatch``)."""
+    if not isinstance(job, submitit.SlurmJob):
+        return
+    watch = StateWatch(job, patience_s)
+    while watch.state() in ("PENDING", "UNKNOWN", "REQUEUED"):
         reason = slurm_request.never_starts(str(job.job_id))
         if reason is not None:
             if never_starts == "keep":
@@ -237,6 +297,22 @@ def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0
                 what = "cancelled it (cluster.never_starts=keep leaves such a job queued)"
             raise SubmissionError(f"job {job.job_id} is pending for a reason it can never meet "
                                   f"({reason}): {slurm_request.why_never(reason)}; {what}")
+        time.sleep(poll_s)
+
+
+def wait_slurm(job: submitit.Job[Any], poll_s: float = 1.0, ask_every_s: float = 10.0,
+               patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
+    """Wait until every rank of a SLURM job has written its result, or SLURM says the job has
+    ended (asked every ``ask_every_s``, through gaps in accounting: ``StateWatch``). submitit's
+    own wait asks sacct alone and, while accounting is silent, waits forever for a rank that
+    died without a result."""
+    watch = StateWatch(job, patience_s)
+    asked = -math.inf
+    while not all(task.paths.result_pickle.exists() for task in _tasks(job)):
+        if time.monotonic() - asked >= ask_every_s:
+            asked = time.monotonic()
+            if watch.state() not in STILL_GOING:
+                return
         time.sleep(poll_s)
 
 
@@ -286,7 +362,10 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
             stop_local(job)
             break
         time.sleep(poll_s)
-    job.wait()
+    if isinstance(job, submitit.SlurmJob):
+        wait_slurm(job)
+    else:
+        job.wait()
     return died
 
 
