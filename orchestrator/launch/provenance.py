@@ -2,7 +2,8 @@
 
 Written at submission into the run directory (``provenance.json``, the diff beside it as
 ``provenance.diff``), shown by ``switchyard show``. A checkpoint records the part a resume must
-share (``for_checkpoint``: the snapshot's hash and torch's version); ``resume_change`` says what
+share (``for_checkpoint``: the snapshot's hash, torch's version and the versions of the installed
+packages the user's code imports); ``resume_change`` says what
 differs when a run continues from a checkpoint written under other code.
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import platform
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ class Origin:
     git_dirty: bool | None
     git_diff: str  # `git diff HEAD`: tracked files' uncommitted changes
     versions: dict[str, str | None]
+    packages: dict[str, str]  # installed distributions the user's own code imports -> version
 
 
 def _git(cwd: Path, *args: str) -> str | None:
@@ -69,8 +73,106 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def origin(cwd: Path | None = None) -> Origin:
-    """Git state of the working directory's checkout, else of the one Switchyard runs from."""
+# ``import a.b, c`` and ``from a.b import c`` at any indentation: the top-level name is what maps
+# to an installed distribution. A regex, not ast: it runs on every submission, over every file.
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([A-Za-z_]\w*)[\w.]*[ \t]+import\b|import[ \t]+([^#;\n]+))",
+                     re.MULTILINE)
+
+
+def imported_names(text: str) -> set[str]:
+    """The top-level module names a Python source imports (relative imports are its own code)."""
+    names = set()
+    for from_name, imported in _IMPORT.findall(text):
+        if from_name:
+            names.add(from_name)
+            continue
+        for part in imported.split(","):
+            name = part.strip().split(" ", 1)[0].split(".", 1)[0]
+            if name.isidentifier():
+                names.add(name)
+    return names
+
+
+def user_files(cluster: ClusterConfig, targets: Sequence[str], scripts: Sequence[Path] = ()
+               ) -> Iterable[Path]:
+    """The user's own Python files: the target modules, ``cluster.snapshot.include`` and the
+    scripts a command runs; what a snapshot excludes is skipped here too."""
+    sources = [s for s in map(snapshot.module_source, targets) if s is not None]
+    with contextlib.suppress(snapshot.SnapshotError):  # a missing include is refused by the snapshot
+        sources += snapshot.include_sources(cluster.snapshot.include)
+    sources += [snapshot.Source(path, path.name) for path in scripts if path.is_file()]
+    for source in sources:
+        files = snapshot.walk(source, cluster.snapshot.exclude)
+        yield from (file for _, file in files if file.suffix == ".py")
+
+
+def user_packages(cluster: ClusterConfig, targets: Sequence[str], scripts: Sequence[Path] = ()
+                  ) -> dict[str, str]:
+    """Distribution -> version of what the user's code imports that is installed (a target that
+    is itself installed, ``timm.models.X``, counts too): the standard library, Switchyard and the
+    user's own modules are left out, and so are names installed by no distribution."""
+    names = {target.split(".", 1)[0] for target in targets}
+    for file in user_files(cluster, targets, scripts):
+        with contextlib.suppress(OSError):
+            names |= imported_names(file.read_text(errors="replace"))
+    names -= {*sys.stdlib_module_names, *snapshot.OWN_PACKAGES, "__future__"}
+    found = {}
+    for name in sorted(names):
+        dist = _distribution(name)
+        if dist is not None:
+            found[dist] = importlib.metadata.version(dist)
+    return found
+
+
+def _distribution(name: str) -> str | None:
+    """The installed distribution that provides top-level module ``name``; None for a module of
+    the user's own (not in site-packages) or one that is not importable here."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or snapshot.module_source(name) is not None:
+        return None
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version(name)  # most distributions are named as their module
+        return name
+    locations = list(spec.submodule_search_locations or [])
+    where = Path(locations[0]) if locations else Path(spec.origin or "")
+    return _provider(name, where.parent)
+
+
+def _provider(name: str, site: Path) -> str | None:
+    """Which ``*.dist-info`` beside the module lists it (yaml -> PyYAML, sklearn -> scikit-learn).
+    importlib's packages_distributions() reads every distribution's file list, 60-170 ms on every
+    submission; this reads the likely ones first (the module's name in theirs) and stops at the
+    first that lists it."""
+    infos = sorted(site.glob("*.dist-info"), key=lambda info: name.lower() not in info.name.lower())
+    for info in infos:
+        try:
+            top = info / "top_level.txt"
+            lines = top.read_text() if top.is_file() else (info / "RECORD").read_text()
+            listed = {line.split("/", 1)[0].split(".", 1)[0].split(",", 1)[0] for line in lines.splitlines()}
+        except OSError:
+            continue
+        if name in listed:
+            return importlib.metadata.Distribution.at(info).metadata["Name"] or None
+    return None
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str | None]:
+    """On a rank: this process's version of each distribution (None: not installed here)."""
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def origin(cwd: Path | None = None, packages: dict[str, str] | None = None) -> Origin:
+    """Git state of the working directory's checkout, else of the one Switchyard runs from;
+    ``packages``: the user's (``user_packages``)."""
     where = cwd or Path.cwd()
     commit = _git(where, "rev-parse", "HEAD")
     if commit is None:
@@ -79,7 +181,7 @@ def origin(cwd: Path | None = None) -> Origin:
     status = _git(where, "status", "--porcelain") if commit else None
     diff = (_git(where, "diff", "HEAD") or "") if commit else ""
     return Origin(commit.strip() if commit else None, bool(status.strip()) if status is not None else None,
-                  diff, versions())
+                  diff, versions(), dict(packages or {}))
 
 
 def config_hash(config_text: str) -> str:
@@ -103,6 +205,7 @@ def record(run_dir: Path, snap: snapshot.Snapshot | None, config_text: str, foun
             "git": {"commit": found.git_commit, "dirty": found.git_dirty,
                     "diff": str(diff_path) if diff_path else None},
             "config_sha256": config_hash(config_text), "versions": found.versions,
+            "packages": found.packages,
             "submitted_at": time.time()}
     atomic.write_text(Path(run_dir) / PROVENANCE_FILE, json.dumps(data, indent=1), durable=False)
     return data
@@ -127,6 +230,9 @@ def lines(data: dict[str, Any]) -> list[str]:
         out.append(f"git: {git['commit'][:12]}{dirty}")
     out.append(f"config sha256: {str(data.get('config_sha256'))[:16]}")
     out.append("versions: " + ", ".join(f"{k} {v}" for k, v in found.items() if v))
+    packages = data.get("packages") or {}
+    out.append("packages: " + (", ".join(f"{k} {v}" for k, v in packages.items()) if packages else
+                               "none installed that your code imports"))
     return out
 
 
@@ -134,16 +240,20 @@ def lines(data: dict[str, Any]) -> list[str]:
 # At checkpoint and resume (on the ranks)
 
 
-def for_checkpoint() -> dict[str, Any]:
-    """The provenance a checkpoint records: the snapshot this rank imports from, torch's version."""
+def for_checkpoint(run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The provenance a checkpoint records: the snapshot this rank imports from, torch's version,
+    and this rank's versions of the user's packages named at submission (``RUN/provenance.json``
+    of ``run_dir``)."""
     snap = snapshot.current()
+    named = (read(run_dir) or {}).get("packages") or {} if run_dir is not None else {}
     return {"code_hash": snap.hash if snap else None, "snapshot": str(snap.path) if snap else None,
-            "torch": versions()["torch"]}
+            "torch": versions()["torch"], "packages": package_versions(sorted(named))}
 
 
 def resume_change(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any] | None:
     """What differs between the code a checkpoint was written under and this run's; None when
-    nothing that can be compared does. A checkpoint from before provenance, or a run outside a
+    nothing that can be compared does. The user's packages the checkpoint names are compared with
+    this process's versions. A checkpoint from before provenance, or a run outside a
     snapshot (``cluster=local``), has no code hash: only torch's version is compared then."""
     if not saved:
         return None
@@ -156,6 +266,14 @@ def resume_change(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str
             change["files"] = snapshot.changed_files(old, new)
     if saved.get("torch") != now.get("torch"):
         change["torch"] = [saved.get("torch"), now.get("torch")]
+    # The checkpoint's packages as this process has them (a package imported anew is a change of
+    # code, found above); None: no longer installed.
+    old_packages = saved.get("packages") or {}
+    new_packages = package_versions(sorted(old_packages))
+    packages = {name: [old_packages[name], new_packages[name]] for name in sorted(old_packages)
+                if old_packages[name] != new_packages[name]}
+    if packages:
+        change["packages"] = packages
     return change or None
 
 
@@ -171,16 +289,18 @@ def describe_change(change: dict[str, Any]) -> str:
         parts.append(f"code snapshot {old[:12]} -> {new[:12]}{listed}")
     if "torch" in change:
         parts.append(f"torch {change['torch'][0]} -> {change['torch'][1]}")
+    for name, (old_version, new_version) in (change.get("packages") or {}).items():
+        parts.append(f"package {name} {old_version} -> {new_version or '(not installed)'}")
     return "; ".join(parts)
 
 
 def at_submission(cluster: ClusterConfig, targets: Sequence[str], run_dir: Path,
-                  config_text: str) -> snapshot.Snapshot | None:
+                  config_text: str, scripts: Sequence[Path] = ()) -> snapshot.Snapshot | None:
     """A single job's code snapshot (``cluster=slurm``, unless ``cluster.snapshot.enabled=false``)
     and its ``provenance.json``. Local and debug jobs start at once, from the working tree: no
-    snapshot, the rest is recorded."""
+    snapshot, the rest is recorded. ``scripts``: the Python files a command runs."""
     take = cluster.mode == "slurm" and cluster.snapshot.enabled
     snap = snapshot.take(cluster.snapshot, targets) if take else None
-    found = origin()
+    found = origin(packages=user_packages(cluster, targets, scripts))
     record(run_dir, snap, config_text, found, write_diff(run_dir, found))
     return snap

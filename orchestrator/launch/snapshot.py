@@ -148,7 +148,7 @@ def sources(config: SnapshotConfig, targets: Sequence[str] = ()) -> list[Source]
 # Manifest and store
 
 
-def _walk(source: Source, exclude: Sequence[str]) -> Iterator[tuple[str, Path]]:
+def walk(source: Source, exclude: Sequence[str]) -> Iterator[tuple[str, Path]]:
     """(relative path in the snapshot, file) for every file kept; excluded names are pruned."""
     if source.path.is_file():
         yield source.name, source.path
@@ -169,7 +169,7 @@ def _excluded(name: str, exclude: Sequence[str]) -> bool:
 
 def collect(sources_: Sequence[Source], config: SnapshotConfig) -> dict[str, Path]:
     """Relative path -> file, refused when the total exceeds ``max_mb`` (naming the largest)."""
-    files = dict(item for s in sources_ for item in _walk(s, config.exclude))
+    files = dict(item for s in sources_ for item in walk(s, config.exclude))
     sizes = {rel: path.stat().st_size for rel, path in files.items()}
     total = sum(sizes.values())
     if total > config.max_mb * 2**20:

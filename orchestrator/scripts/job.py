@@ -153,7 +153,7 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     if cfg.cluster.mode == "debug":
         with rank.redirected_signals():
             return report([rank.run_rank(spec, str(run_dir))], run_dir)
-    code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml)
+    code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml, scripts_of(cfg))
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
     if cfg.cluster.dry_run:
         print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
@@ -163,6 +163,12 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml)
     results = single.follow(cfg.cluster, recorded, job, run_dir)
     return None if results is None else report(results, run_dir)
+
+
+def scripts_of(cfg: RunConfig) -> list[Path]:
+    """The Python files the command names (``python train.py``): their imports are recorded."""
+    cwd = Path(cfg.cwd or os.getcwd())
+    return [cwd / arg for arg in cfg.command if arg.endswith(".py") and (cwd / arg).is_file()]
 
 
 def report(results: list[rank.RankResult], run_dir: Path) -> list[rank.RankResult]:

@@ -607,7 +607,7 @@ class Trainer:
         return {"step": self.step, "schedule": self.schedule.state_dict(),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size,
-                "provenance": provenance.for_checkpoint()}
+                "provenance": provenance.for_checkpoint(self.run_dir)}
 
     def restore(self) -> None:
         """Continue from the newest readable checkpoint of this run, if there is one.

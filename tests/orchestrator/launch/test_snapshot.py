@@ -3,6 +3,7 @@ provenance compared at resume."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ConfigError, SnapshotConfig
+from orchestrator.config import ClusterConfig, ConfigError, SnapshotConfig
 from orchestrator.launch import provenance, snapshot
 
 
@@ -151,3 +152,45 @@ def test_setup_lines_put_the_snapshot_first(tmp_path: Path) -> None:
     lines = snapshot.setup_lines(snap)
     assert lines[0].startswith(f"export PYTHONPATH={snap.path}")
     assert "export PYTHONSAFEPATH=1" in lines
+
+
+def test_provenance_records_the_installed_packages_the_users_code_imports(tmp_path: Path,
+                                                                          on_path: Path) -> None:
+    """numpy by its own name, PyYAML through the module it provides (yaml); the standard library,
+    Switchyard, the user's own modules and a name nothing installs are left out."""
+    user_package(on_path, "import os, json\nimport numpy as np\nfrom yaml import safe_load\n"
+                          "from orchestrator import config\nfrom . import helpers\n"
+                          "import snap_user_pkg.data\nimport not_installed_anywhere\n")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "tools.py").write_text("    import hypothesis.strategies  # indented: inside a function\n")
+    cluster = ClusterConfig(snapshot=config(tmp_path, include=[str(extra)]))
+    found = provenance.user_packages(cluster, ["snap_user_pkg.models.Net"])
+    assert found == {"numpy": importlib.metadata.version("numpy"),
+                     "PyYAML": importlib.metadata.version("PyYAML"),
+                     "hypothesis": importlib.metadata.version("hypothesis")}
+    provenance.record(tmp_path / "run", None, "a: 1\n", provenance.origin(packages=found), None)
+    data = provenance.read(tmp_path / "run")
+    assert data is not None and data["packages"] == found
+    assert provenance.lines(data)[-1] == "packages: " + ", ".join(f"{k} {v}" for k, v in found.items())
+    assert provenance.for_checkpoint(tmp_path / "run")["packages"] == found  # this process's versions
+
+
+def test_a_resume_under_another_version_of_a_users_package_names_it(tmp_path: Path) -> None:
+    numpy_now = importlib.metadata.version("numpy")
+    saved = {"code_hash": None, "torch": provenance.versions()["torch"],
+             "packages": {"numpy": "1.0.0", "hypothesis": importlib.metadata.version("hypothesis"),
+                          "gone-since-pkg": "2.0"}}
+    change = provenance.resume_change(saved, provenance.for_checkpoint())
+    assert change == {"packages": {"gone-since-pkg": ["2.0", None], "numpy": ["1.0.0", numpy_now]}}
+    text = provenance.describe_change(change)
+    assert f"package numpy 1.0.0 -> {numpy_now}" in text
+    assert "package gone-since-pkg 2.0 -> (not installed)" in text
+    saved["packages"] = {"numpy": numpy_now}
+    assert provenance.resume_change(saved, provenance.for_checkpoint()) is None
+
+
+def test_import_names_are_read_from_source_text() -> None:
+    text = ("import a.b as c, d\nfrom e.f import g\nfrom . import h\nfrom .i import j\n"
+            "# import k\nx = 'import l'\n    import m  # m\nimportlib = 1\n")
+    assert provenance.imported_names(text) == {"a", "d", "e", "m"}
