@@ -1,7 +1,8 @@
 """``make gpu-check``: everything CI cannot run, on a machine with NVIDIA GPUs, in one table.
 
 1. the ``gpu``-marked tests (no host sync on a step that does not log, pinned batches, NVML);
-2. short real runs of the training job in debug mode (1 GPU) and local mode (every GPU);
+2. short real runs of the training job in debug mode (1 GPU) and local mode (every GPU), with
+   the transport NCCL chose between the GPUs (rank 0's ``nccl transport:`` line);
 3. peak GPU memory of each memory option on one transformer (1024 wide, 8 layers, batch 64 of up
    to 512 rows): none, bf16, fp16, activation checkpointing, both, grad accumulation;
 4. a resume: a run stopped at step 20 continued in place to step 40;
@@ -90,17 +91,28 @@ def modes(c: Check, gpus: int) -> None:
     for mode, count in (("debug", 1), ("local", gpus)):
         check = f"cluster={mode}, {count} GPU(s)"
         started = time.perf_counter()
-        proc, summary, _ = c.train(check, f"cluster={mode}", f"parallelism.gpus_per_node={count}",
-                                   "optim.max_steps=100")
+        proc, summary, run_dir = c.train(check, f"cluster={mode}", f"parallelism.gpus_per_node={count}",
+                                         "optim.max_steps=100")
         if summary is None:
             c.failed(check, proc)
             continue
         same = len(set(summary["param_checksum_per_rank"])) == 1
         flags = summary["memory"]["flags"]
-        c.row(check, "ok" if same else "FAILED",
+        # rank 0's line from NCCL's own logs (RUN/nccl/rank-N.log): P2P or SHM between the GPUs
+        transport = rank0_line(run_dir, proc, "nccl transport:") or "nccl transport: not reported"
+        c.row(check, "ok" if same and (count == 1 or "not reported" not in transport) else "FAILED",
               f"world {summary['world_size']}, backend {summary['backend']}, loss "
               f"{summary['final_train_loss']:.3f}, peak {peak_gib(summary)}, replicas equal: {same}, "
-              f"{time.perf_counter() - started:.0f} s; flags: {'; '.join(flags)[:200] or 'none'}")
+              f"{time.perf_counter() - started:.0f} s; {transport}; "
+              f"flags: {'; '.join(flags)[:200] or 'none'}")
+
+
+def rank0_line(run_dir: Path, proc: subprocess.CompletedProcess[str], prefix: str) -> str | None:
+    """The first line starting with ``prefix`` that rank 0 printed: in its own log (local mode keeps
+    rank output out of the terminal), or on the terminal (debug mode)."""
+    texts = [log.read_text(errors="replace") for log in run_dir.rglob("*_0_log.out")] + [proc.stdout]
+    lines = [line.strip() for text in texts for line in text.splitlines() if line.strip().startswith(prefix)]
+    return lines[0] if lines else None
 
 
 def memory_options(c: Check) -> None:

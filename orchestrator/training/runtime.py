@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
+from orchestrator.telemetry import nccl
 
 
 class StartupMismatchError(RuntimeError):
@@ -36,6 +37,7 @@ class Runtime:
     env: DistEnv
     device: torch.device
     backend: str
+    nccl_log: Path | None = None  # this rank's NCCL start-up log (telemetry.nccl), where written
 
     @property
     def is_main(self) -> bool:
@@ -43,16 +45,19 @@ class Runtime:
 
 
 def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
-          rdzv_dir: Path, device_index: int | None = None) -> Runtime:
+          rdzv_dir: Path, device_index: int | None = None, run_dir: Path | None = None) -> Runtime:
     """``device_index``: the CUDA ordinal preflight chose (``cuda:0`` when SLURM binds one GPU per
-    task), else the local rank."""
+    task), else the local rank. ``run_dir``: an NCCL rank writes NCCL's start-up log there, read
+    for the transport it chose (``report_nccl_transport``)."""
     device = _select_device(env, parallelism, device_index)
     torch.set_num_threads(thread_budget(env.local_world_size))
+    is_nccl = rendezvous.choose_backend(parallelism.backend, device) == "nccl"
+    nccl_log = nccl.enable_debug_log(run_dir, env.rank) if is_nccl and run_dir is not None else None
     backend = rendezvous.init_process_group(
         env, rdzv_dir, backend=parallelism.backend, device=device,
         rendezvous_timeout_s=cluster.rendezvous_timeout_s,
         collective_timeout_s=cluster.collective_timeout_s)
-    return Runtime(env=env, device=device, backend=backend)
+    return Runtime(env=env, device=device, backend=backend, nccl_log=nccl_log)
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:
@@ -228,6 +233,20 @@ def gather(rt: Runtime, value: Any) -> list[Any]:
     out: list[Any] = [None] * rt.env.world_size
     dist.all_gather_object(out, value)
     return out
+
+
+def report_nccl_transport(rt: Runtime) -> str | None:
+    """After the first NCCL collectives (DDP's or FSDP's broadcast of the initial weights): the
+    transports every rank's NCCL log names, printed by rank 0 in one line. Every rank calls it."""
+    if rt.backend != "nccl":
+        return None
+    found = nccl.Transports()
+    for each in gather(rt, nccl.read(rt.nccl_log)):
+        found.merge(each)
+    line = nccl.describe(found)
+    if rt.is_main and line is not None:
+        print(line, flush=True)
+    return line
 
 
 def broadcast(rt: Runtime, value: Any) -> Any:

@@ -842,13 +842,14 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
         clear_end_summary(run)
     sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s, cuda_uuids=uuids) \
         if cfg.telemetry.enabled and env.is_local_main else None
-    rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index)
+    rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index, run)
     runtime.set_tf32(rt.device, cfg.memory.tf32)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:
         with pulse:
             with sampler or contextlib.nullcontext():
                 rank_trainer = Trainer(cfg, paths, run, rt, pulse)
+                runtime.report_nccl_transport(rt)  # the model's broadcast has connected NCCL
                 summary = rank_trainer.run()
             pulse.mark(summary["steps"], "done")
             record_rank_peak(run, env.rank, report.device_index, floor=rank_trainer.peaks.run_peaks())
