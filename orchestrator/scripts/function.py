@@ -98,7 +98,7 @@ def rank_of_function(spec: FunctionSpec, run: Path, env: dist_env.DistEnv) -> It
     variables = rank_env.rank_variables(env, endpoint, run, spec.max_requeues)
     status = rank.report_start(run, env)
     register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index)
-    sampler = MemorySampler(run, env.hostname, spec.telemetry_interval_s) \
+    sampler = MemorySampler(run, env.hostname, spec.telemetry_interval_s, attempt=env.restart_count) \
         if spec.telemetry and env.is_local_main else None
     saved = {k: os.environ.get(k) for k in variables}
     os.environ.update(variables)

@@ -132,7 +132,7 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
     child = spawn(spec, variables)
     stop.child = child
     register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index, pid=child.pid)
-    sampler = MemorySampler(run, env.hostname, spec.telemetry_interval_s) \
+    sampler = MemorySampler(run, env.hostname, spec.telemetry_interval_s, attempt=env.restart_count) \
         if spec.telemetry and env.is_local_main else None
     code, ended_at = -signal.SIGKILL, time.time()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,15 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     Default output: ``RUN/telemetry/memory.png``. Raises :class:`TelemetryError` when nothing was
     sampled or matplotlib is missing.
     """
+    figure = memory_figure(run_dir)
+    path = Path(out) if out is not None else telemetry_dir(run_dir) / "memory.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def memory_figure(run_dir: Path) -> Any:
+    """The matplotlib Figure ``plot_run`` saves."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -39,10 +49,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     for ax, node in zip(axes, nodes, strict=True):
         _plot_node(ax, [r for r in records if r["node"] == node], records[0]["t"], node, marks)
     _plot_titles(figure, Path(run_dir).name, flags)
-    path = Path(out) if out is not None else telemetry_dir(run_dir) / "memory.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    return path
+    return figure
 
 
 def _verdicts(stats: list[GpuStats]) -> dict[tuple[str, int], str]:
@@ -54,24 +61,29 @@ def _verdicts(stats: list[GpuStats]) -> dict[tuple[str, int], str]:
 
 def _plot_node(ax: Any, records: list[Record], t0: float, node: str,
                marks: Mapping[tuple[str, int], str]) -> None:
-    """One node's lines; a GPU's legend entry carries its verdict ("idle", "2.1x peers")."""
-    series: dict[str, tuple[list[float], list[float]]] = {}
+    """One node's lines, one segment per attempt: a requeued job's lines break at the requeue
+    instead of joining its last sample to the next attempt's first, and the gap is shaded and
+    labelled (``_mark_gaps``). A GPU's legend entry carries its verdict ("idle", "2.1x peers")."""
+    series: dict[tuple[str, int], tuple[list[float], list[float]]] = {}  # (label, attempt) -> x, y
     for record in records:
-        x = record["t"] - t0
+        x, attempt = record["t"] - t0, int(record.get("attempt", 0))
         for g in record.get("gpus") or []:
             if "error" not in g:
                 mark = marks.get((node, g["index"]))
                 label = f"GPU {g['index']} ({gib(g['total_bytes'])} GiB){f', {mark}' if mark else ''}"
-                _append(series, label, x, g["used_bytes"])
+                _append(series, (label, attempt), x, g["used_bytes"])
         for r in record.get("ranks") or []:
-            _append(series, f"rank {r['rank']} RSS", x, r["rss_bytes"])
+            _append(series, (f"rank {r['rank']} RSS", attempt), x, r["rss_bytes"])
             if r.get("uss_bytes") is not None:
-                _append(series, f"rank {r['rank']} USS", x, r["uss_bytes"])
+                _append(series, (f"rank {r['rank']} USS", attempt), x, r["uss_bytes"])
     colours: dict[str, str] = {}  # one colour per GPU or rank: a rank's RSS solid, its USS dashed
-    for label, (xs, ys) in series.items():  # first-seen order: GPUs and ranks by number
+    for (label, _), (xs, ys) in series.items():  # first-seen order: GPUs and ranks by number
         colour = colours.setdefault(label.removesuffix(" USS").removesuffix(" RSS"), f"C{len(colours) % 10}")
         style = "--" if label.endswith("USS") else "-"
-        ax.plot(xs, ys, label=label, color=colour, linestyle=style, marker=".", markersize=3)
+        shown = any(line.get_label() == label for line in ax.get_lines())  # an earlier attempt's
+        ax.plot(xs, ys, label="_" + label if shown else label, color=colour, linestyle=style,
+                marker=".", markersize=3)
+    _mark_gaps(ax, records, t0)
     ax.set_title(node)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("memory used (GiB)")
@@ -80,8 +92,29 @@ def _plot_node(ax: Any, records: list[Record], t0: float, node: str,
     ax.legend(loc="upper left", fontsize="small", ncol=2)
 
 
-def _append(series: dict[str, tuple[list[float], list[float]]], label: str, x: float, used: int) -> None:
-    xs, ys = series.setdefault(label, ([], []))
+def attempt_gaps(records: list[Record]) -> list[tuple[int, float, float, str]]:
+    """(next attempt, end of the one before, start of it, why the one before ended) for each
+    change of attempt in one node's records, oldest first. An attempt whose last sample says
+    nothing (killed before its sampler stopped) ended "without a last sample"."""
+    gaps = []
+    for before, after in itertools.pairwise(records):
+        if after.get("attempt", 0) != before.get("attempt", 0):
+            gaps.append((int(after.get("attempt", 0)), before["t"], after["t"],
+                         str(before.get("ended") or "without a last sample")))
+    return gaps
+
+
+def _mark_gaps(ax: Any, records: list[Record], t0: float) -> None:
+    for attempt, end, start, why in attempt_gaps(records):
+        ax.axvspan(end - t0, start - t0, color="grey", alpha=0.15, linewidth=0)
+        ax.annotate(f"attempt {attempt}: previous ended ({why}),\n{start - end:.0f} s idle",
+                    xy=((end + start) / 2 - t0, 1), xycoords=("data", "axes fraction"),
+                    xytext=(0, -4), textcoords="offset points", ha="center", va="top", fontsize=7)
+
+
+def _append(series: dict[tuple[str, int], tuple[list[float], list[float]]], key: tuple[str, int],
+            x: float, used: int) -> None:
+    xs, ys = series.setdefault(key, ([], []))
     xs.append(x)
     ys.append(used / GIB)
 

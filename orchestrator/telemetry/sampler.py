@@ -79,22 +79,29 @@ class MemorySampler:
     GPU record: ``{"t", "node", "sample_s", "gpus": [{"index", "cuda", "used_bytes", "total_bytes",
     "util_pct", "ranks", "processes": [{"pid", "rank", "used_bytes"}]}]}``; without NVML:
     ``{"t", "node", "sample_s", "ranks": [{"rank", "pid", "rss_bytes", "shared_bytes", "uss_bytes"}]}``
-    (``uss_bytes`` null in samples where its rationed read was not due). It shares no
+    (``uss_bytes`` null in samples where its rationed read was not due). Every record also
+    carries ``"attempt"`` (the job's requeue count: a requeued job samples into the same file),
+    and the last one of an attempt ``"ended"``: why its ``with`` block was left ("finished", a
+    stop's ``stop_reason`` such as TIME_LIMIT, or the exception's name), so the plot can break its
+    lines there and say why. It shares no
     lock with training: it only reads NVML, /proc and the rank files, and writes its own file.
     """
 
     def __init__(self, run_dir: Path, node: str, interval_s: float = DEFAULT_INTERVAL_S,
                  nvml: NvmlApi | NvmlChoice | None = "auto",
                  environ: Mapping[str, str] | None = None,
-                 cuda_uuids: Sequence[str] | None = None) -> None:
+                 cuda_uuids: Sequence[str] | None = None, attempt: int = 0) -> None:
         """``cuda_uuids``: each CUDA ordinal's UUID from CUDA, where the caller has CUDA (a training
-        rank); without them the GPUs are taken from ``CUDA_VISIBLE_DEVICES`` (see ``nvml``)."""
+        rank); without them the GPUs are taken from ``CUDA_VISIBLE_DEVICES`` (see ``nvml``).
+        ``attempt``: the job's requeue count (``DistEnv.restart_count``)."""
         if not interval_s > 0:
             raise ValueError(f"telemetry interval_s={interval_s} is invalid: must be > 0 "
                              f"(try interval_s={DEFAULT_INTERVAL_S})")
         self.path = node_file(run_dir, node)
         self.node = node
         self.interval_s = interval_s
+        self.attempt = attempt
+        self._ended: str | None = None  # set for the last sample: why the attempt ended
         env = os.environ if environ is None else environ
         self._nvml, self._visible, self._cpu_mode_info = _gpus_to_sample(resolve_nvml(nvml), env, cuda_uuids)
         self._ranks = _RankTable(run_dir, node)
@@ -118,8 +125,9 @@ class MemorySampler:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Stop the thread, take one last sample (the end of the run), close the file. Idempotent.
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S, ended: str = "finished") -> None:
+        """Stop the thread, take one last sample (the end of the run, marked ``ended``), close the
+        file. Idempotent.
 
         A thread still sampling after ``timeout_s`` is left behind (it is a daemon) with a warning:
         an NVML call stuck on a failed GPU must not hold rank 0 back from the final barrier, where
@@ -136,6 +144,7 @@ class MemorySampler:
                       f"on without the last sample", flush=True)
                 return  # the stuck thread still owns the file; the process's exit closes it
             self._thread = None
+        self._ended = ended
         self._sample_safely()
         if self._file is not None:
             self._file.close()
@@ -144,8 +153,10 @@ class MemorySampler:
     def __enter__(self) -> MemorySampler:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        self.stop(ended="finished" if exc is None else
+                  str(getattr(exc, "stop_reason", "") or type(exc).__name__))
 
     def _run(self) -> None:
         while True:
@@ -165,12 +176,14 @@ class MemorySampler:
     def sample_once(self) -> Record:
         """Take one sample now, append it as a line and flush (a killed job keeps what was sampled)."""
         start = time.perf_counter()
-        record: Record = {"t": time.time(), "node": self.node}
+        record: Record = {"t": time.time(), "node": self.node, "attempt": self.attempt}
         if self._nvml is not None:
             record["gpus"] = self._sample_gpus(self._nvml)
         else:
             record["ranks"] = self._sample_cpu()
         record["sample_s"] = round(time.perf_counter() - start, 6)
+        if self._ended is not None:
+            record["ended"] = self._ended
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a")  # noqa: SIM115 -- held open across samples, closed in stop()

@@ -40,7 +40,12 @@ class RequeueLimitError(RuntimeError):
 
 
 class JobStopped(SystemExit):
-    """Raised on every rank after the checkpoint, to leave without writing a (fake) result."""
+    """Raised on every rank after the checkpoint, to leave without writing a (fake) result;
+    ``stop_reason`` names why (a StopReason's name: the memory plot marks the requeue with it)."""
+
+    def __init__(self, code: int, stop_reason: str = "") -> None:
+        super().__init__(code)
+        self.stop_reason = stop_reason
 
 
 class StopFlag:

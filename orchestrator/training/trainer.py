@@ -672,7 +672,7 @@ class Trainer:
         elif env.is_main:
             print(f"stopped by {reason.name} at step {self.step}; checkpoint in {self.checkpoint_dir}",
                   flush=True)
-        raise preemption.JobStopped(-1)
+        raise preemption.JobStopped(-1, reason.name)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -840,7 +840,8 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
                   device_uuid=runtime.device_uuid(uuids, report.device_index))
     if env.is_main:
         clear_end_summary(run)
-    sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s, cuda_uuids=uuids) \
+    sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s, cuda_uuids=uuids,
+                            attempt=env.restart_count) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index, run)
     runtime.set_tf32(rt.device, cfg.memory.tf32)

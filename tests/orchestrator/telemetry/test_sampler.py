@@ -29,7 +29,7 @@ def test_records_have_the_documented_shape_and_map_pids_to_ranks(tmp_path: Path)
     sampler = MemorySampler(tmp_path, "n1", nvml=fake, environ=NO_ENV)
     record = sampler.sample_once()
     sampler.stop()
-    assert set(record) == {"t", "node", "sample_s", "gpus"}
+    assert set(record) == {"t", "node", "attempt", "sample_s", "gpus"}
     assert record["gpus"][0] == {"index": 0, "cuda": 0, "used_bytes": 10 * GIB, "total_bytes": TOTAL,
                                  "util_pct": 95.0, "ranks": [0],
                                  "processes": [{"pid": PIDS[0], "rank": 0, "used_bytes": int(9.5 * GIB)}]}
