@@ -95,6 +95,27 @@ def test_batches_copied_on_the_side_stream_arrive_intact(dataset: str) -> None:
             assert torch.equal(batch[k].cpu(), want[k]), k
 
 
+def test_the_copy_stream_is_the_loaders_alone() -> None:
+    """No draw from torch's stream pools (where NCCL's process group and FSDP2 take theirs) returns
+    the prefetch's copy stream, and every epoch's loader gets the same one."""
+    import warnings
+
+    from orchestrator.training.device_batches import copy_stream
+
+    device = torch.device("cuda", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the pool fails here
+        mine = copy_stream(device)
+    assert copy_stream(device) is mine
+    pools = {torch.cuda.Stream(device, priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
+    assert mine.cuda_stream not in pools | {torch.cuda.current_stream(device).cuda_stream}
+    side = torch.ones(1 << 20, device=device)
+    with torch.cuda.stream(mine):  # it runs work in torch's context like any stream
+        doubled = side * 2
+    torch.cuda.synchronize()
+    assert float(doubled.sum()) == 2 * (1 << 20)
+
+
 def train(tmp_path: Path, *overrides: str) -> dict[str, object]:
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", "optim.max_steps=30",
