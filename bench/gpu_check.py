@@ -10,7 +10,9 @@
 6. ``parallelism.strategy=fsdp`` on every GPU (bf16): a run, a resume, and ``bench/fsdp_bench.py
    --device cuda`` (model state and peak allocated per rank, ddp vs fsdp, 1024 wide, 8 layers);
 7. ``task=causal_lm model=gpt`` on every GPU, bf16, under ddp and fsdp, on byte tokens of the
-   Python standard library's sources: tokens/s, model TFLOP/s and MFU.
+   Python standard library's sources: tokens/s, model TFLOP/s and MFU;
+8. what the memory sampler (a thread in local rank 0's process) costs: one sample's time through
+   NVML, and samples/s on every GPU with telemetry off, on at the default 5 s, and on every 0.5 s.
 
 It needs only what a GPU node has: a python with torch, and the pure-Python packages from a local
 folder (``make gpu-deps`` fills ``.gpu-deps`` where a package index is reachable; copy it over).
@@ -197,6 +199,40 @@ def causal_lm(c: Check, gpus: int) -> None:
               f"MFU {mfu}, loss {summary['final_train_loss']:.3f}, peak {peak_gib(summary)}")
 
 
+def telemetry_cost(c: Check, gpus: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(ROOT))  # the node's python may have no install of this checkout
+    from orchestrator.telemetry.sampler import MemorySampler
+
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(gpus)]
+    sampler = MemorySampler(c.tmp / "sampler-cost", "here", cuda_uuids=uuids)
+    if not sampler.is_gpu:
+        return c.row("telemetry cost", "FAILED", "the sampler found no GPU through NVML")
+    sampler.sample_once()  # the first opens the file and the GPUs' handles
+    started = time.perf_counter()
+    for _ in range(20):
+        sampler.sample_once()
+    sample_ms = (time.perf_counter() - started) / 20 * 1000
+    sampler.stop()
+    rates: dict[str, float] = {}
+    for name, overrides in (("off", ["telemetry.enabled=false"]), ("every 5 s", []),
+                            ("every 0.5 s", ["telemetry.interval_s=0.5"])):
+        proc, summary, run_dir = c.train(f"telemetry {name}", "cluster=local",
+                                         f"parallelism.gpus_per_node={gpus}", "model=transformer",
+                                         "data.batch_size=64", "optim.max_steps=400", "log_every_steps=50",
+                                         *overrides)
+        if summary is None:
+            return c.failed(f"telemetry cost ({name})", proc)
+        per_window = [json.loads(line)["samples_per_s"] for line in (run_dir / "metrics.jsonl").read_text()
+                      .splitlines() if "samples_per_s" in line][1:]  # the first window holds start-up
+        rates[name] = sorted(per_window)[len(per_window) // 2]
+    off = rates["off"]
+    c.row(f"telemetry cost, {gpus} GPU(s)", "ok",
+          f"one sample {sample_ms:.1f} ms; samples/s (median of windows): " +
+          ", ".join(f"{name} {rate:,.0f} ({100 * (rate / off - 1):+.1f}%)" for name, rate in rates.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,7 +248,7 @@ def main() -> int:
         c = Check(Path(tmp))
         for step in (gpu_tests, lambda c: modes(c, gpus), memory_options, resume,
                      lambda c: train_bench(c, args.quick), lambda c: fsdp(c, gpus),
-                     lambda c: causal_lm(c, gpus)):
+                     lambda c: causal_lm(c, gpus), lambda c: telemetry_cost(c, gpus)):
             step(c)
     print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}\n")
     print("| check | result | detail |\n|---|---|---|")

@@ -624,7 +624,7 @@ class TelemetryConfig:
     """Memory over time: per GPU through NVML, or per rank's RSS/USS without an NVIDIA driver."""
 
     enabled: bool = True
-    interval_s: float = 5.0  # one sample costs well under a millisecond (measured: ~0.1 ms)
+    interval_s: float = 5.0  # a sample: ~0.1 ms without NVML, ~9 ms through NVML on an H100 node
 
     def __post_init__(self) -> None:
         check_floats(self, "telemetry.")
