@@ -247,7 +247,7 @@ def test_on_this_machine_the_smallest_visible_gpu_counts() -> None:
     assert estimate.local_gpu(1, None) is None  # no driver: unknown, nothing refused
     gpus[2] = FakeGpu(used=[0], util=[0], total=16 * GIB, name="Tesla T4", capability=(7, 5))
     assert estimate.local_gpu(3, FakeNvml(gpus), NO_ENV) == \
-        Capacity(8 * GIB, "GPU 2 of this machine (Tesla T4)", True, has_bf16=False)
+        Capacity(16 * GIB, "GPU 2 of this machine (Tesla T4)", True, has_bf16=False)  # named: no bf16
 
 
 def test_gpus_without_bf16_are_known_by_their_gres_names() -> None:
