@@ -4,6 +4,7 @@ provenance compared at resume."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -52,6 +53,22 @@ def test_holds_own_packages_and_the_user_target_without_excluded_files(tmp_path:
     assert not [f for f in files if "__pycache__" in f or ".git/" in f]
     assert "snap_user_pkg/data/big.bin" not in files
     assert snapshot.read_manifest(snap.path) == snap.files
+
+
+def test_every_module_is_compiled_once_into_the_snapshot(tmp_path: Path, on_path: Path) -> None:
+    """Ranks import bytecode compiled at publication, never compile (PYTHONDONTWRITEBYTECODE, or a
+    store they cannot write) nor race to write ``__pycache__`` into a published snapshot. The user's
+    stale ``.pyc`` is not copied: the snapshot's is compiled from the copied source."""
+    user_package(on_path)
+    snap = snapshot.take(config(tmp_path), ["snap_user_pkg.models.Net"])
+    sources = list(snap.path.rglob("*.py"))
+    assert len(sources) > 50
+    for source in sources:
+        compiled = Path(importlib.util.cache_from_source(str(source)))
+        flags = int.from_bytes(compiled.read_bytes()[4:8], "little")
+        assert flags == 0b01, f"{compiled}: not an unchecked hash-based pyc"  # immutable source
+    stale = snap.path / "snap_user_pkg" / "__pycache__" / "models.cpython-311.pyc"
+    assert not stale.exists() or stale.read_bytes() != b"stale"
 
 
 def test_a_package_named_like_an_exclude_is_kept(tmp_path: Path, on_path: Path) -> None:
