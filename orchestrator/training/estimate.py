@@ -52,7 +52,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # with torch'
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, TrainConfig
 from orchestrator.telemetry import nvml
-from orchestrator.training import strategy, trainer
+from orchestrator.training import runtime, strategy, trainer
 from orchestrator.training.tasks import Batch, Task
 from sharding import ShardedDataset
 
@@ -70,7 +70,6 @@ GPU_GIB: tuple[tuple[str, str, float, bool], ...] = (  # (pattern, name, GiB, bf
     (r"v100.?32", "V100 32GB", 32, False), (r"v100", "V100 (16 or 32 GiB: 16 assumed)", 16, False),
     (r"(?<![a-z0-9])t4(?![0-9])", "T4", 16, False), (r"p100", "P100 (12 or 16 GiB: 12 assumed)", 12, False),
 )
-BF16_CAPABILITY = (8, 0)  # CUDA compute capability from which a GPU computes in bf16
 
 
 class EstimateUnavailable(RuntimeError):
@@ -377,7 +376,7 @@ def local_gpu(count: int, api: nvml.NvmlApi | nvml.NvmlChoice | None = "auto",
         indices = [i for i in nvml.visible_gpus(api, environ)[:count] if i is not None]
         handles = [api.nvmlDeviceGetHandleByIndex(i) for i in indices]
         sizes = [int(api.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
-        bf16 = [tuple(api.nvmlDeviceGetCudaComputeCapability(h)) >= BF16_CAPABILITY for h in handles]
+        bf16 = [tuple(api.nvmlDeviceGetCudaComputeCapability(h)) >= runtime.BF16_CAPABILITY for h in handles]
         if not sizes:
             return None
         at = bf16.index(False) if not all(bf16) else sizes.index(min(sizes))
@@ -396,9 +395,7 @@ def check_bf16(cfg: TrainConfig) -> None:
         return
     gpu = named_gpu(cfg)
     if gpu is not None and not gpu.has_bf16:
-        raise ConfigError(f"memory.amp=bf16 is invalid on {gpu.name}: it has no bf16 (compute capability "
-                          f"below 8.0) (try memory.amp=fp16, which trains with a gradient scaler, or "
-                          f"memory.amp=none for fp32)")
+        raise ConfigError(runtime.bf16_refusal(gpu.name))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
 from orchestrator.telemetry import nccl
@@ -58,6 +58,25 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
         rendezvous_timeout_s=cluster.rendezvous_timeout_s,
         collective_timeout_s=cluster.collective_timeout_s)
     return Runtime(env=env, device=device, backend=backend, nccl_log=nccl_log)
+
+
+BF16_CAPABILITY = (8, 0)  # the CUDA compute capability from which a GPU computes in bf16 (A100 on)
+
+
+def bf16_refusal(gpu: str) -> str:
+    return (f"memory.amp=bf16 is invalid on {gpu}: it has no bf16 (compute capability below 8.0) "
+            f"(try memory.amp=fp16, which trains with a gradient scaler, or memory.amp=none for fp32)")
+
+
+def check_bf16(device: torch.device, amp: str) -> None:
+    """``memory.amp=bf16`` on this rank's own GPU, where submission could not know it (a SLURM job
+    naming no GPU type): refused before the first step, by every rank alike."""
+    if amp != "bf16" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < BF16_CAPABILITY:
+        raise ConfigError(bf16_refusal(f"{torch.cuda.get_device_name(device)} ({device}, compute "
+                                       f"capability {major}.{minor})"))
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:

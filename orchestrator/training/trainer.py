@@ -844,6 +844,7 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
                             attempt=env.restart_count) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index, run)
+    runtime.check_bf16(rt.device, cfg.memory.amp)  # where submission could not name the GPU
     runtime.set_tf32(rt.device, cfg.memory.tf32)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:

@@ -14,7 +14,7 @@ from typing import cast
 import pytest
 import torch
 
-from orchestrator.config import ClusterConfig, MlpConfig, ParallelismConfig, TrainConfig
+from orchestrator.config import ClusterConfig, ConfigError, MlpConfig, ParallelismConfig, TrainConfig
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime, trainer
@@ -146,3 +146,18 @@ def test_checkpointed_rng_holds_the_cuda_stream_on_a_gpu_rank(monkeypatch: pytes
     cuda_state["now"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # the run drew on
     trainer.set_rng_state(saved)
     assert torch.equal(cuda_state["now"], torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
+def test_bf16_on_a_rank_whose_gpu_has_none_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SLURM job that names no GPU type passes submission; its rank knows its GPU."""
+    capability = {"now": (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["now"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100-SXM2-16GB")
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"^memory.amp=bf16 is invalid on Tesla V100-SXM2-16GB \(cuda:0, "
+                                          r"compute capability 7.0\): it has no bf16 .*memory.amp=fp16"):
+        runtime.check_bf16(gpu, "bf16")
+    runtime.check_bf16(gpu, "fp16")
+    runtime.check_bf16(torch.device("cpu"), "bf16")  # a CPU rank's bf16 is the CPU's
+    capability["now"] = (8, 0)
+    runtime.check_bf16(gpu, "bf16")
