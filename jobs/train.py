@@ -47,6 +47,7 @@ from orchestrator.launch import (
     snapshot,
     submit,
 )
+from orchestrator.quick_exit import exit_now
 from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import checks, estimate, trainer
@@ -203,3 +204,4 @@ if __name__ == "__main__":
     if refused := refuse_control(sys.argv):
         sys.exit(f"error: {refused}")
     main()
+    exit_now()  # done and printed: skip torch's second of interpreter finalisation
