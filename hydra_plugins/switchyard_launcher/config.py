@@ -1,6 +1,6 @@
 """The launchers' config schemas, registered under ``hydra/launcher`` when Hydra scans its plugins.
 
-Every field is documented on :class:`orchestrator.sweeps.launcher.LauncherSettings`; these classes add the
+Every field is documented on :class:`orchestrator.sweeps.arrays.LauncherSettings`; these classes add the
 ``_target_`` Hydra instantiates and the defaults that differ between the two launchers.
 """
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from orchestrator.sweeps.launcher import LauncherSettings
+from orchestrator.sweeps.arrays import LauncherSettings
 
 LAUNCHER = "hydra_plugins.switchyard_launcher.launcher.SwitchyardLauncher"
 

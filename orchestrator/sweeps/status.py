@@ -23,8 +23,6 @@ from typing import IO, Any, cast
 from orchestrator.launch import local_jobs, provenance, slurm_query
 from orchestrator.sweeps.registry import (
     RETRY_STATES,
-    SUBMITTED,
-    SUBMITTING,
     TERMINAL_STATES,
     Attempt,
     Job,
@@ -37,17 +35,15 @@ from orchestrator.sweeps.registry import (
     default_path,
     reconcile,
 )
+from orchestrator.sweeps.results import JobRow, job_rows
 from orchestrator.sweeps.single import is_single
-from orchestrator.telemetry.files import read_end_summary, telemetry_dir
-from orchestrator.telemetry.stats import Digest
-from orchestrator.telemetry.summary import format_summary, summarize, summary_of
+from orchestrator.telemetry.summary import format_summary
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
                  "PENDING": "33", "SUBMITTED": "33", "SUBMITTING": "33", "REQUEUED": "33",
                  "CANCELLED": "35"}  # everything else that ended badly: red (31)
 
 
-LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})  # runtime still counts
 
 
 class CommandError(RuntimeError):
@@ -98,176 +94,7 @@ def command(registry: Registry, *args: object) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Rows: what status shows per job
-
-
-@dataclass(frozen=True)
-class JobRow:
-    job: Job
-    attempt: Attempt | None
-    result: Result  # progress, loss and memory: kept in the registry once the attempt ended
-
-    @property
-    def step(self) -> int | None:
-        return self.result.step
-
-    @property
-    def loss(self) -> float | None:
-        return self.result.loss
-
-    @property
-    def memory(self) -> dict[str, Any] | None:
-        """summary.json's memory section (telemetry so far if running)."""
-        return self.result.memory
-
-    def runtime_s(self, now: float) -> float | None:
-        a = self.attempt
-        if a is None or a.started_at is None:
-            return None
-        if a.ended_at is not None:
-            return max(a.ended_at - a.started_at, 0.0)
-        return max(now - a.started_at, 0.0) if a.state in LIVE_STATES else None
-
-    def as_json(self, now: float) -> dict[str, Any]:
-        a = self.attempt
-        return {"job": self.job.ref, "num": self.job.num, "overrides": self.job.overrides,
-                "state": a.state if a else None, "attempt": a.attempt if a else 0,
-                "requeues": a.requeues if a else 0, "slurm_id": a.slurm_id if a else None,
-                "node": a.node if a else None, "exit_code": a.exit_code if a else None,
-                "error": a.error if a else None, "step": self.step, "total_steps": self.job.total_steps,
-                "loss": self.loss, "runtime_s": self.runtime_s(now),
-                "started_at": a.started_at if a else None, "ended_at": a.ended_at if a else None,
-                "run_dir": self.job.run_dir, "log_dir": a.log_dir if a else None,
-                "memory": self.memory}
-
-
-def last_metrics(run_dir: str) -> dict[str, Any] | None:
-    """The last complete training line of RUN/metrics.jsonl (the trainer appends one per log step,
-    and one per evaluation)."""
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-        if isinstance(value, dict) and "train_loss" in value:
-            return value
-    return None
-
-
-def read_result(run_dir: str, digest: Digest | None = None) -> Result:
-    """What the run directory shows now: the last metrics line and the memory section (with
-    ``digest``, the telemetry folded so far, updated in place: only new samples are read)."""
-    metrics = last_metrics(run_dir) or {}
-    step, loss = metrics.get("step"), metrics.get("train_loss")
-    memory = job_memory(run_dir, digest)
-    flags = memory.get("flags") if memory else None
-    return Result(step if isinstance(step, int) else None,
-                  float(loss) if isinstance(loss, int | float) else None, peak_bytes(memory),
-                  [str(f) for f in flags] if isinstance(flags, list) else [],
-                  json.dumps(memory) if memory else None)
-
-
-_NO_RESULT = Result(None, None, None, [], None)
-_NOT_STARTED = frozenset({SUBMITTING, SUBMITTED, "PENDING"})
-
-
-def _has_not_run(attempt: Attempt | None) -> bool:
-    """A job's first attempt, queued and never started: its run directory holds nothing yet, so
-    a 10,000-job sweep still pending opens no files. A queued retry is read: it resumes from
-    what the run directory holds, and that progress is what status shows."""
-    return attempt is not None and attempt.attempt == 1 and attempt.state in _NOT_STARTED \
-        and attempt.started_at is None and attempt.requeues == 0
-
-
-def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[JobRow]:
-    """Each job (or job ``num``) with its latest attempt and what its run directory shows.
-
-    An attempt that has ended is read from its files once; its result is kept in the registry and
-    later calls read that instead (a requeue or correction of the attempt drops it). A first
-    attempt still queued has nothing to read yet. One still running keeps its telemetry digest in
-    the registry, so each call reads only the samples taken since the last.
-    """
-    if num is None:
-        jobs = registry.jobs(sweep_id, resources=False)  # not shown: not decoded
-        latest = registry.latest_attempts(sweep_id)
-    else:
-        attempts = registry.attempts(sweep_id, num)
-        jobs, latest = [registry.job(sweep_id, num)], ({num: attempts[-1]} if attempts else {})
-    kept, digests = registry.results(sweep_id, num), registry.digests(sweep_id, num)
-    rows, ended, running = [], [], []
-    for job in jobs:
-        attempt = latest.get(job.num)
-        result = kept.get(attempt.id) if attempt else None
-        if result is None and _has_not_run(attempt):
-            result = _NO_RESULT
-        elif result is None and attempt is not None and attempt.state not in TERMINAL_STATES:
-            digest = _digest(digests.get(attempt.id))
-            result = read_result(job.run_dir, digest)
-            running.append((attempt.id, digest.to_json()))
-        elif result is None:
-            result = read_result(job.run_dir)
-            if attempt is not None:
-                ended.append((attempt, result))
-        rows.append(JobRow(job, attempt, result))
-    if ended:
-        registry.keep_results(ended)
-    if running:
-        registry.keep_digests(running)
-    return rows
-
-
-def _digest(state: dict[str, Any] | None) -> Digest:
-    try:
-        return Digest.from_json(state) if state else Digest()
-    except (KeyError, TypeError, ValueError):  # written by another version: fold from the start
-        return Digest()
-
-
-def keep_ended_results(registry: Registry, sweep_id: int) -> None:
-    """Read what each ended job of the sweep left, once, into the registry (about 0.1 ms per job:
-    a blocking sweep does it as it ends, so its first ``status`` reads no job files)."""
-    job_rows(registry, sweep_id)
-
-
-def job_memory(run_dir: str, digest: Digest | None = None) -> dict[str, Any] | None:
-    """The run's memory section: from summary.json once it ended, from what rank 0 summarised as
-    it failed, else from its telemetry so far (a run still going, or one killed outright);
-    ``digest``: what an earlier call folded of it, brought up to date in place."""
-    try:
-        with open(os.path.join(run_dir, "summary.json"), "rb") as f:
-            memory = json.loads(f.read()).get("memory")
-        return memory if isinstance(memory, dict) else None
-    except (OSError, ValueError, AttributeError):
-        pass
-    if (memory := read_end_summary(run_dir)) is not None:
-        return memory
-    if not os.path.isdir(telemetry_dir(Path(run_dir))):
-        return None
-    run = Path(run_dir)
-    try:
-        if digest is None:
-            return summarize(run)
-        digest.read_new(run)
-        return summary_of(run, digest)
-    except (OSError, ValueError, KeyError):  # files being written right now: show nothing yet
-        if digest is not None:
-            digest.clear()  # a fold that stopped part way would count its samples twice next time
-        return None
-
-
-def peak_bytes(memory: dict[str, Any] | None) -> int | None:
-    """The highest peak of the job: over its GPUs, or over its ranks' RSS on CPU."""
-    if not memory:
-        return None
-    peaks = [g.get("peak_used_bytes") or 0 for g in memory.get("gpus", [])] or \
-        [r.get("peak_rss_bytes") or 0 for r in memory.get("ranks", [])]
-    return max(peaks) if peaks else None
+# Rows: what status shows per job (read and kept by orchestrator.sweeps.results)
 
 
 def peak_memory_text(result: Result) -> str:
@@ -634,7 +461,7 @@ def _cancel_local(attempts: list[Attempt], grace_s: float) -> list[Attempt]:
 
 def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
                  out: IO[str] = sys.stdout) -> int:
-    from orchestrator.sweeps import launcher as sweeps  # submitit: only when submitting
+    from orchestrator.sweeps import arrays  # submitit: only when submitting
 
     if not failed:
         raise CommandError("say which jobs to resubmit: --failed (failed, timed-out or cancelled)")
@@ -648,8 +475,8 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
                            f"hydra.run.dir={sweep.sweep_dir} to resume in its run directory)")
     print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
     try:
-        resubmitted = sweeps.resubmit_failed(registry, ref.sweep_id)
-    except sweeps.SweepError as e:
+        resubmitted = arrays.resubmit_failed(registry, ref.sweep_id)
+    except arrays.SweepError as e:
         raise CommandError(str(e)) from e
     if as_json:
         print(json.dumps({"sweep": ref.sweep_id, "resubmitted": [

@@ -275,7 +275,7 @@ def test_a_failing_run_leaves_its_memory_summary_for_status(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 summarises the telemetry once as the run fails, so `switchyard status` of thousands
     of failed jobs reads one small file each instead of every job's samples; a rerun clears it."""
-    from orchestrator.sweeps import status
+    from orchestrator.sweeps import results
 
     (tmp_path / "failing.py").write_text(FAILING_MODEL)
     paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
@@ -290,8 +290,8 @@ def test_a_failing_run_leaves_its_memory_summary_for_status(tmp_path: Path,
     def never(run: Path) -> None:
         raise AssertionError(f"summarised {run} again")
 
-    monkeypatch.setattr(status, "summarize", never)
-    assert status.job_memory(str(run_dir)) == kept
+    monkeypatch.setattr(results, "summarize", never)
+    assert results.job_memory(str(run_dir)) == kept
     rerun = train(tmp_path, "telemetry.interval_s=0.05", "optim.max_steps=2")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert not (run_dir / "telemetry" / "end-summary.json").exists()

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import submit
-from orchestrator.sweeps.launcher import LauncherSettings, resources_for
+from orchestrator.sweeps.arrays import LauncherSettings, resources_for
 
 GPU2 = ParallelismConfig(nodes=1, gpus_per_node=2)
 

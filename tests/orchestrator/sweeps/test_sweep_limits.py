@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from slurm_fakes import calls, fake_slurm, scontrol_config
 
 from orchestrator.launch import slurm_query
-from orchestrator.sweeps import launcher
-from orchestrator.sweeps.launcher import (
+from orchestrator.sweeps import arrays
+from orchestrator.sweeps.arrays import (
     LauncherSettings,
     SweepError,
     array_chunks,
@@ -67,7 +67,7 @@ def test_a_sweep_split_over_max_array_size_goes_out_as_several_arrays(
     with Registry(tmp_path / "r.db") as reg:
         sweep_id = reg.create_sweep("app", "x=1,2,3,4,5", str(tmp_path), "slurm", "entry")
         reg.add_jobs(Job(sweep_id, n, [f"x={n}"], str(tmp_path / str(n)), {}, None) for n in range(5))
-        jobs = launcher.submit_array(reg, sweep_id, resources, {n: str(tmp_path / str(n)) for n in range(5)},
+        jobs = arrays.submit_array(reg, sweep_id, resources, {n: str(tmp_path / str(n)) for n in range(5)},
                                      tmp_path / ".submitit" / "%j")
         assert [str(j.job_id) for j in jobs] == ["41_0", "41_1", "41_2", "42_0", "42_1"]
         assert (tmp_path / "arrays").read_text().split() == ["#SBATCH", "--array=0-2%2",
@@ -89,8 +89,8 @@ def test_an_array_refused_after_another_was_queued_says_what_went_out(
     with Registry(tmp_path / "r.db") as reg:
         sweep_id = reg.create_sweep("app", "", str(tmp_path), "slurm", "entry")
         reg.add_jobs(Job(sweep_id, n, [], str(tmp_path / str(n)), {}, None) for n in range(5))
-        with pytest.raises(launcher.SubmitError, match="QOSMaxSubmitJobPerUserLimit") as refused:
-            launcher.submit_array(reg, sweep_id, resources, {n: str(tmp_path / str(n)) for n in range(5)},
+        with pytest.raises(arrays.SubmitError, match="QOSMaxSubmitJobPerUserLimit") as refused:
+            arrays.submit_array(reg, sweep_id, resources, {n: str(tmp_path / str(n)) for n in range(5)},
                                   tmp_path / ".submitit" / "%j")
         assert [str(j.job_id) for j in refused.value.queued] == ["41_0", "41_1"]
         assert [a.state for a in reg.latest_attempts(sweep_id).values()] == [

@@ -13,14 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import jobs.train  # noqa: F401 -- registers jobs.train's checks, as running the app does
 from orchestrator.config import register_configs
-from orchestrator.sweeps.launcher import (
-    LauncherSettings,
-    Point,
-    SweepError,
-    group_points,
-    prepare_point,
-    resources_for,
-)
+from orchestrator.sweeps.arrays import LauncherSettings, SweepError, group_points, resources_for
+from orchestrator.sweeps.points import Point, prepare_point
 
 register_configs()
 SMALL = ["data.demo_num_samples=64", "optim.max_steps=5"]

@@ -20,7 +20,7 @@ import pytest
 from slurm_fakes import calls, fake_slurm
 
 from orchestrator.launch import slurm_query
-from orchestrator.sweeps import registry, status
+from orchestrator.sweeps import registry, results
 from orchestrator.sweeps.registry import (
     SUBMITTED,
     Attempt,
@@ -105,13 +105,13 @@ def ended_sweep(tmp_path: Path) -> Registry:
 def test_an_ended_jobs_files_are_read_once_and_kept_in_the_registry(
         ended_sweep: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     summarised: list[Path] = []
-    summarize = status.summarize
+    summarize = results.summarize
 
     def counted(run_dir: Path) -> dict[str, Any]:
         summarised.append(run_dir)
         return summarize(run_dir)
 
-    monkeypatch.setattr(status, "summarize", counted)
+    monkeypatch.setattr(results, "summarize", counted)
     first = status_text(ended_sweep)
     assert summarised == [tmp_path / "1"]  # the failed job's telemetry, summarised once
     rows = table(first)
@@ -232,13 +232,13 @@ def test_a_queued_first_attempt_opens_no_files_and_a_queued_retry_shows_its_prog
     fake_slurm(tmp_path, monkeypatch, sacct="true")
     status_text(ended_sweep)  # sweep 1's ended attempts: read once and kept
     read: list[str] = []
-    read_result = status.read_result
+    read_result = results.read_result
 
     def counted(run_dir: str, *digest: Any) -> Result:
         read.append(run_dir)
         return read_result(run_dir, *digest)
 
-    monkeypatch.setattr(status, "read_result", counted)
+    monkeypatch.setattr(results, "read_result", counted)
     slurm_sweep(ended_sweep, tmp_path / "queued", 3)  # sweep 2: three first attempts, queued
     assert [r[1:3] for r in table(status_text(ended_sweep, "2")).values()] == [[SUBMITTED, "1"]] * 3
     assert read == []

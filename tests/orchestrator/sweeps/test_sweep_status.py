@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from orchestrator.sweeps.registry import Job, Observation, Registry, Submitted, TaskStatus
+from orchestrator.sweeps.results import last_metrics
 from orchestrator.sweeps.status import (
     CommandError,
     Ref,
     cmd_show,
     cmd_status,
     format_duration,
-    last_metrics,
     parse_ref,
     render_table,
     varying,

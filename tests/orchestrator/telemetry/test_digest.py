@@ -78,7 +78,7 @@ def test_a_replaced_file_is_folded_again_from_its_start(tmp_path: Path) -> None:
 def test_a_fold_that_fails_part_way_keeps_nothing_of_it(tmp_path: Path) -> None:
     """A sample that cannot be folded (a rank without its RSS) fails the memory section, as a full
     summary does; the digest forgets what it folded of that call, so no sample counts twice."""
-    from orchestrator.sweeps.status import job_memory
+    from orchestrator.sweeps.results import job_memory
 
     cpu_run(tmp_path)
     node_file = telemetry_dir(tmp_path) / "n1.jsonl"
