@@ -51,6 +51,7 @@ from orchestrator.quick_exit import exit_now
 from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import checks, estimate, trainer
+from orchestrator.training.checkpoint import CheckpointError
 
 register_configs()
 
@@ -155,8 +156,7 @@ def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, expl
             if memory is not None:
                 print(memory.line(), flush=True)
                 estimate.write_report(run_dir, memory)
-        summary = trainer.train_rank(cfg, paths, str(run_dir))
-        return report(summary, run_dir, notes=False)
+        return report(train_attached(cfg, paths, run_dir, launch), run_dir, notes=False)
     # Rank 0 reports what fails before the rendezvous: one copy of the error, not one per rank.
     try:
         cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
@@ -165,8 +165,34 @@ def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, expl
         sys.exit(2)
     paths = data_paths(cfg)  # rank 0 generates the demo data before it serves the rendezvous
     try:
-        return trainer.train_rank(cfg, paths, str(run_dir))
+        return train_attached(cfg, paths, run_dir, launch)
     except rendezvous.RankZeroFailedError:
+        sys.exit(2)
+
+
+# Refusals every rank reaches alike (a resume the checkpoint cannot follow, a bad value): one line
+# from rank 0, as cluster=slurm reports them, instead of a traceback from each rank.
+SAME_ON_EVERY_RANK = (ConfigError, CheckpointError)
+
+
+def train_attached(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path, launch: dist_env.DistEnv
+                   ) -> dict[str, Any]:
+    """``trainer.train_rank`` as one rank of the user's own launch, its failures told as
+    ``cluster=slurm`` tells them: a refusal once, in one line; a collective timeout by the
+    heartbeats' verdict, naming the rank the others waited for (``attach.hang_report``). Either
+    exits 2; any other error is the rank's own and keeps its traceback."""
+    try:
+        return trainer.train_rank(cfg, paths, str(run_dir))
+    except SAME_ON_EVERY_RANK as e:
+        if launch.is_main:
+            print(f"error: {printable(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Exception as e:
+        told = attach.hang_report(e, run_dir, launch)
+        if told is None:
+            raise
+        if told:
+            print(f"error: {printable(told)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

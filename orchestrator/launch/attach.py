@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from pathlib import Path
 
 from orchestrator.config import ConfigError, ParallelismConfig
+from orchestrator.launch import heartbeat, submit
 from orchestrator.launch.dist_env import DistEnv
 
 
@@ -65,3 +67,20 @@ def check_gpu_binding(launch: DistEnv, launcher: str, visible_gpus: int) -> None
 def describe(launch: DistEnv) -> str:
     """'srun step of job 12' / 'torchrun', for messages."""
     return f"srun (job {launch.job_id})" if launch.source == "slurm" else "torchrun"
+
+
+def hang_report(error: BaseException, run_dir: Path, launch: DistEnv) -> str | None:
+    """For a collective that timed out on this rank: what ``cluster=slurm``'s failure report says
+    (the heartbeats' verdict: the rank the others waited for, and why), to be printed by this rank
+    if it is the lowest rank not blamed, else "" (another rank prints it). None for any other
+    error. Every waiting rank times out alike, and their tracebacks named only themselves."""
+    if not submit.is_collective_timeout(f"{type(error).__name__}: {error}"):
+        return None
+    world = launch.world_size
+    found = heartbeat.verdict([b for b in heartbeat.read_beats(run_dir) if b.rank < world], world)
+    reporter = min(set(range(world)) - set(found.ranks), default=0)
+    if launch.rank != reporter:
+        return ""
+    lines = [f"collective timeout in {describe(launch)}: {found.summary}."]
+    lines += [f"rank {rank}: {why}" for rank, why in sorted(found.why.items())]
+    return "\n".join(lines)

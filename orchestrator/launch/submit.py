@@ -70,26 +70,14 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
-        return new_executor("local", local_parameters(cluster, parallelism), folder)
+        executor: submitit.Executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(**local_parameters(cluster, parallelism))
+        return executor
     check_log_folder(folder)
-    params = slurm_parameters(cluster, parallelism)
+    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
+    slurm.update_parameters(**slurm_parameters(cluster, parallelism))
     if code is not None:
-        params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
-    return new_executor("slurm", params, folder, cluster.max_requeues)
-
-
-def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeues: int = 0,
-                 array_parallelism: int | None = None) -> submitit.Executor:
-    """A local or SLURM executor from its submitit parameters: the one factory behind single jobs
-    (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
-    ``array_parallelism`` (SLURM only): at most this many tasks of one array at once."""
-    if mode == "local":
-        local = submitit.LocalExecutor(folder=folder)
-        local.update_parameters(**params)
-        return local
-    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues)
-    limit = {} if array_parallelism is None else {"array_parallelism": array_parallelism}
-    slurm.update_parameters(**params, **limit)
+        slurm.update_parameters(setup=[*snapshot.setup_lines(code), *cluster.setup])
     return slurm
 
 
@@ -492,6 +480,11 @@ def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
         lines.append(f"ranks {others} were stopped after rank {culprits[0].rank} failed.")
     lines.append(f"logs: {job.paths.folder}")
     return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
+
+
+def is_collective_timeout(error: str) -> bool:
+    """Whether a rank's error is a collective that waited too long (gloo's or NCCL's words)."""
+    return _COLLECTIVE_TIMEOUT.search(error) is not None
 
 
 def hang_verdict(outcomes: Sequence[RankOutcome], run_dir: Path | None) -> heartbeat.Verdict | None:

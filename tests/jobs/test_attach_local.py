@@ -3,12 +3,16 @@ detection, the launch's shape against the config, and the sbatch pass-through ru
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
@@ -162,3 +166,52 @@ def test_three_gpus_for_four_tasks_leave_one_without() -> None:
     assert launch is not None
     with pytest.raises(ConfigError, match="this task sees 3 GPUs"):
         attach.fit_to_launch(ParallelismConfig(gpus_per_node=4), launch, set(), "srun", 3)
+
+
+def torchrun(tmp_path: Path, *overrides: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", "-m",
+         "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
+         *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+
+def test_a_resume_refusal_under_torchrun_is_one_line_printed_once(tmp_path: Path) -> None:
+    """Issue 27: every rank printed the refusal as a traceback."""
+    _, err = (first := torchrun(tmp_path)).communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    refused = torchrun(tmp_path, "optim.name=sgd")  # the checkpoint's optimizer state is adamw's
+    _, err = refused.communicate(timeout=300)
+    assert refused.returncode != 0
+    assert err.count("error: cannot resume from ") == 1, err[-3000:]
+    assert "optimizer: checkpoint 'adamw', now 'sgd'" in err
+    assert "CheckpointError" not in err and "exitcode: 2" in err, "one line, exit 2, no rank's traceback"
+
+
+def test_a_frozen_rank_under_torchrun_is_named(tmp_path: Path) -> None:
+    """Issue 27: the waiting rank printed its gloo timeout as a traceback; the frozen one was
+    never named. Now the heartbeats' verdict is printed, as cluster=slurm prints it."""
+    proc = torchrun(tmp_path, "optim.max_steps=1000000", "cluster.collective_timeout_s=6")
+    beats = tmp_path / "run" / "heartbeat"
+    frozen = None
+    try:
+        deadline = time.monotonic() + 180
+        while frozen is None and time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                record = json.loads((beats / "rank-1.json").read_text())
+                frozen = int(record["pid"]) if record["step"] >= 3 else None
+            time.sleep(0.2)
+        assert frozen is not None, f"rank 1 never trained (exit {proc.poll()})"
+        waiting = psutil.Process(json.loads((beats / "rank-0.json").read_text())["pid"])
+        os.kill(frozen, signal.SIGSTOP)
+        waiting.wait(timeout=180)  # rank 0 times out in its collective and exits
+        os.kill(frozen, signal.SIGKILL)  # as SLURM would; torchrun's SIGTERM waits on a stopped rank
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
+    report = err[err.index("error: collective timeout"):]
+    assert report.startswith("error: collective timeout in torchrun: rank 1 stopped answering"), report
+    assert "rank 1: stopped answering: its " in report and f"pid {frozen}" in report
+    assert err.count("error: collective timeout") == 1 and "jobs/train.py" not in err, "no rank's traceback"
