@@ -70,14 +70,26 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
-        executor: submitit.Executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(**local_parameters(cluster, parallelism))
-        return executor
+        return new_executor("local", local_parameters(cluster, parallelism), folder)
     check_log_folder(folder)
-    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
-    slurm.update_parameters(**slurm_parameters(cluster, parallelism))
+    params = slurm_parameters(cluster, parallelism)
     if code is not None:
-        slurm.update_parameters(setup=[*snapshot.setup_lines(code), *cluster.setup])
+        params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
+    return new_executor("slurm", params, folder, cluster.max_requeues)
+
+
+def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeues: int = 0,
+                 array_parallelism: int | None = None) -> submitit.Executor:
+    """A local or SLURM executor from its submitit parameters: the one factory behind single jobs
+    (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
+    ``array_parallelism`` (SLURM only): at most this many tasks of one array at once."""
+    if mode == "local":
+        local = submitit.LocalExecutor(folder=folder)
+        local.update_parameters(**params)
+        return local
+    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues)
+    limit = {} if array_parallelism is None else {"array_parallelism": array_parallelism}
+    slurm.update_parameters(**params, **limit)
     return slurm
 
 
