@@ -173,6 +173,9 @@ class ClusterConfig:
     # checkpoint save the last run in the same run directory measured (orchestrator/launch/signal_delay.py)
     signal_delay_s: int | str = DEFAULT_SIGNAL_DELAY_S
     max_requeues: int = 3  # preemptions/timeouts survived before the job gives up
+    # A retry (switchyard resubmit) is kept off the nodes its failed attempts blamed (a node failure,
+    # a rank killed by a signal, a CUDA/NCCL error), at most this many; 0: never
+    max_excluded_nodes: int = 2
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (the one place for shell)
     srun_args: list[str] = field(default_factory=list)  # extra srun arguments, one per item
     wait: bool = True  # slurm: block until the job ends and report its result; false: print and return
@@ -218,6 +221,9 @@ class ClusterConfig:
         if self.max_requeues < 0:
             raise invalid("cluster.max_requeues", self.max_requeues, "must be >= 0",
                           "cluster.max_requeues=3")
+        if self.max_excluded_nodes < 0:
+            raise invalid("cluster.max_excluded_nodes", self.max_excluded_nodes, "must be >= 0 (0: a "
+                          "retry may land on any node)", "cluster.max_excluded_nodes=2")
         for key in ("rendezvous_timeout_s", "collective_timeout_s"):
             if getattr(self, key) <= 0:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be > 0", f"cluster.{key}=180")

@@ -92,13 +92,15 @@ def choose(cluster: ClusterConfig, run_dir: Path) -> Choice:
                   f"in this directory ({SUMMARY_FILE}), + {SIGNAL_MARGIN_S} s")
 
 
-def at_submission(cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
+def at_submission(cluster: ClusterConfig, run_dir: Path, announce: bool = True) -> ClusterConfig:
     """Before anything reads it: ``cluster`` with its lead time as a number (what sbatch and the
-    ranks get). On SLURM the choice is printed (a dry run's output too) and recorded in
-    ``RUN/signal_delay.json``, where rank 0 puts it in the run's summary."""
+    ranks get). On SLURM the choice is printed (a dry run's output too; not for each point of a
+    sweep: ``announce=False``) and recorded in ``RUN/signal_delay.json``, where rank 0 puts it in
+    the run's summary."""
     choice = choose(cluster, run_dir)
     if cluster.mode == "slurm":
-        print(choice.line(), flush=True)
+        if announce:
+            print(choice.line(), flush=True)
         atomic.write_json(run_dir / CHOICE_FILE, choice.as_dict(), indent=1, durable=False)
     return replace(cluster, signal_delay_s=choice.seconds)
 

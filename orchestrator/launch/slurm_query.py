@@ -200,3 +200,33 @@ def jobs_in_controller() -> int:
     except (subprocess.SubprocessError, OSError) as e:
         raise SlurmQueryError(f"squeue: {_reason(e)}") from e
     return sum(1 for line in out.splitlines() if line.strip())
+
+
+def partition_nodes() -> dict[str | None, list[str]]:
+    """Each partition's node names, from one ``sinfo`` call; the default partition also under None."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %P"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        raise SlurmQueryError(f"sinfo: {_reason(e)}") from e
+    found: dict[str | None, list[str]] = {}
+    for line in out.splitlines():
+        node, _, partition = line.strip().partition(" ")
+        if not partition:
+            continue
+        names = [partition.rstrip("*"), *([None] if partition.endswith("*") else [])]
+        for name in names:
+            found.setdefault(name, [])
+            if node not in found[name]:
+                found[name].append(node)
+    return found
+
+
+def hostnames(node_list: str) -> list[str]:
+    """A node list in SLURM's syntax (``gpu[01-03],n2``) as names (``scontrol show hostnames``)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", node_list], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        raise SlurmQueryError(f"scontrol show hostnames {node_list}: {_reason(e)}") from e
+    return out.split()

@@ -23,7 +23,15 @@ from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, sbatch_option
-from orchestrator.launch import dist_env, heartbeat, local_jobs, slurm_query, slurm_request, snapshot
+from orchestrator.launch import (
+    bad_nodes,
+    dist_env,
+    heartbeat,
+    local_jobs,
+    slurm_query,
+    slurm_request,
+    snapshot,
+)
 
 R = TypeVar("R")
 
@@ -522,10 +530,6 @@ def final_state(job: submitit.Job[Any]) -> str:
     return state if state in slurm_query.TERMINAL_STATES else job.state
 
 
-# Not anchored at a line start: a progress bar's last "\r" frame has no newline after it.
-_SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): ([^\r\n]+)")
-
-
 def srun_task_failures(job: submitit.Job[Any]) -> list[tuple[int, str]]:
     """(rank, reason) for tasks srun saw die on their own, in the order srun reported them.
 
@@ -537,15 +541,7 @@ def srun_task_failures(job: submitit.Job[Any]) -> list[tuple[int, str]]:
         text = _tasks(job)[0].paths.stderr.read_text(errors="replace")  # the batch script's stderr
     except OSError:
         return []
-    text = text.split("_step_signal: Terminating", 1)[0]
-    found = []
-    for _node, tasks, reason in _SRUN_ERROR.findall(text):
-        if reason.strip() == "Terminated":
-            continue
-        for part in tasks.split(","):
-            lo, _, hi = part.partition("-")
-            found += [(rank, reason.strip().lower()) for rank in range(int(lo), int(hi or lo) + 1)]
-    return found
+    return [(rank, reason.lower()) for _node, rank, reason in bad_nodes.srun_errors(text)]
 
 
 _NODE = re.compile(r"switchyard: rank \d+/\d+ on node (\S+)")

@@ -24,9 +24,9 @@ from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
-from orchestrator.launch import slurm_query
+from orchestrator.launch import bad_nodes, slurm_query
 from orchestrator.sweeps.node import run_point
-from orchestrator.sweeps.registry import RETRY_STATES, Job, Registry, Submitted
+from orchestrator.sweeps.registry import RETRY_STATES, Attempt, Job, Registry, Submitted
 
 if TYPE_CHECKING:
     import submitit
@@ -103,6 +103,7 @@ class Resources:
     max_requeues: int
     array_parallelism: int
     source: str  # where the user sets them: "cluster" (the app's group) or "hydra.launcher"
+    max_excluded_nodes: int = 2  # cluster.max_excluded_nodes: a retry avoids at most this many nodes
 
     def key(self) -> str:
         return group_key(asdict(self))
@@ -120,7 +121,7 @@ def resources_for(settings: LauncherSettings, groups: tuple[ClusterConfig, Paral
     params = local_parameters(cluster, parallelism) if settings.executor == "local" \
         else slurm_parameters(cluster, parallelism)
     return Resources(settings.executor, params, cluster.max_requeues, settings.array_parallelism,
-                     "cluster" if groups else "hydra.launcher")
+                     "cluster" if groups else "hydra.launcher", cluster.max_excluded_nodes)
 
 
 def _launcher_groups(settings: LauncherSettings) -> tuple[ClusterConfig, ParallelismConfig]:
@@ -318,16 +319,23 @@ def run_local_window(registry: Registry, sweep_id: int, groups: list[list[P]], f
 
 def resubmit_failed(registry: Registry, sweep_id: int) -> list[tuple[Job, str]]:
     """Every job of the sweep whose latest attempt failed, timed out or was cancelled, submitted
-    again from its saved config as a new array per resource group: ``[(job, new id)]``."""
+    again from its saved config as a new array per resource group: ``[(job, new id)]``. On SLURM
+    each retry is kept off the nodes its failed attempts blamed (``left_behind``)."""
     sweep = registry.sweep(sweep_id)
-    if sweep.executor == "slurm":  # the retries must fit too, checked before any is claimed
-        latest = registry.latest_attempts(sweep_id).values()
-        check_cluster_limits(sum(a.state in RETRY_STATES for a in latest))
-    claims = registry.claim_retries(sweep_id)
     jobs = {j.num: j for j in registry.jobs(sweep_id)}
+    avoid: dict[int, list[dict[str, Any]]] = {}
+    if sweep.executor == "slurm":  # the retries must fit too, checked before any is claimed
+        latest = registry.latest_attempts(sweep_id)
+        failed = {num: a for num, a in latest.items() if a.state in RETRY_STATES}
+        check_cluster_limits(len(failed))
+        avoid = left_behind(registry, sweep_id, failed, jobs)
+        check_nodes_left(jobs, avoid)
+    claims = registry.claim_retries(sweep_id)
+    registry.record_exclusions({claims[num]: nodes for num, nodes in avoid.items() if num in claims})
     by_resources: dict[str, list[Job]] = {}
     for num in sorted(claims):
-        by_resources.setdefault(group_key(jobs[num].resources), []).append(jobs[num])
+        resources = avoiding(jobs[num].resources, [n["node"] for n in avoid.get(num, [])])
+        by_resources.setdefault(group_key(resources), []).append(jobs[num])
     folder = Path(sweep.sweep_dir) / SUBMITIT_FOLDER
     out: list[tuple[Job, str]] = []
     for key, group in by_resources.items():
@@ -343,6 +351,70 @@ def resubmit_failed(registry: Registry, sweep_id: int) -> list[tuple[Job, str]]:
             raise SweepError(f"resubmitting {' '.join(j.ref for j in group)} failed: {e}{done}") from e
         out += [(j, str(sj.job_id)) for j, sj in zip(group, executor_jobs, strict=True)]
     return out
+
+
+def left_behind(registry: Registry, sweep_id: int, failed: dict[int, Attempt], jobs: dict[int, Job]
+                ) -> dict[int, list[dict[str, Any]]]:
+    """For each job about to be retried, the nodes its retry avoids (``{num: [{node, why,
+    attempt}]}``): those its failed attempt avoided already, then those that attempt blamed
+    (``bad_nodes``: a node failure, a rank killed by a signal, a CUDA/NCCL error in a log's tail),
+    at most ``cluster.max_excluded_nodes``."""
+    earlier = registry.exclusions(sweep_id)
+    out: dict[int, list[dict[str, Any]]] = {}
+    for num, attempt in failed.items():
+        kept = list(earlier.get(attempt.id, []))
+        if attempt.slurm_id and attempt.log_dir:
+            log_dir = Path(attempt.log_dir)
+            for bad in bad_nodes.of_attempt(log_dir, attempt.slurm_id, attempt.state, attempt.node):
+                if bad.node not in {k["node"] for k in kept}:
+                    kept.append({**bad.as_dict(), "attempt": attempt.attempt})
+        cap = Resources.from_json(jobs[num].resources).max_excluded_nodes
+        if kept[:cap]:
+            out[num] = kept[:cap]
+    return out
+
+
+def avoiding(resources: dict[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
+    """A job's saved resources with ``nodes`` added to its own ``--exclude`` (the job's row keeps
+    what the user asked for, so a later retry starts from it again)."""
+    if not nodes:
+        return resources
+    params = resources["params"]
+    exclude = bad_nodes.exclude_list(params.get("exclude"), nodes)
+    return {**resources, "params": {**params, "exclude": exclude}}
+
+
+def check_nodes_left(jobs: dict[int, Job], avoid: dict[int, list[dict[str, Any]]]) -> None:
+    """A retry that avoids its nodes must still find enough in its partition: refused before
+    anything is claimed or queued, naming the nodes and why each is avoided."""
+    if not avoid:
+        return
+    try:
+        by_partition = slurm_query.partition_nodes()
+        for num, nodes in sorted(avoid.items()):
+            _check_nodes_left(jobs[num], nodes, by_partition)
+    except slurm_query.SlurmQueryError as e:
+        raise SweepError(f"cannot check that the retries find nodes enough once they avoid the ones "
+                         f"that failed them: {e}; nothing was resubmitted") from e
+
+
+def _check_nodes_left(job: Job, nodes: list[dict[str, Any]], by_partition: dict[str | None, list[str]]
+                      ) -> None:
+    params = job.resources["params"]
+    partition = params.get("partition")  # None: the default partition
+    known = by_partition.get(partition)
+    if known is not None:  # a partition sinfo does not list is named by sbatch --test-only
+        user = set(slurm_query.hostnames(params["exclude"])) if params.get("exclude") else set()
+        names = sorted(n["node"] for n in nodes)
+        left = [n for n in known if n not in user and n not in names]
+        if len(left) < int(params.get("nodes", 1)):
+            why = "; ".join(f"{n['node']}: {n['why']} (try {n['attempt']})" for n in nodes)
+            raise SweepError(
+                f"{job.ref}: its retry would avoid {', '.join(names)} ({why}), leaving {len(left)} of "
+                f"the {len(known)} node(s) of partition {partition or '(default)'} for its "
+                f"{params.get('nodes', 1)}: nothing was resubmitted. Bring the nodes back once fixed "
+                f"(scontrol update nodename={names[0]} state=resume), or let retries land on any node "
+                f"(cluster.max_excluded_nodes=0 in the point's config)")
 
 
 class SubmitError(RuntimeError):

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, SnapshotConfig, app_check
-from orchestrator.launch import provenance, snapshot
+from orchestrator.launch import provenance, signal_delay, snapshot
 from orchestrator.sweeps.arrays import LauncherSettings, Resources, SweepError, resources_for
 from orchestrator.sweeps.node import POINT_DIR, write_bytes
 
@@ -123,6 +123,8 @@ def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, maste
         run_dir = resolve_point(config, num, sweep_dir)
         task_cfg = task_config(config)
         groups = check_app_config(task_cfg)
+        if groups is not None:  # cluster.signal_delay_s=auto: from this point's own last run
+            groups = (signal_delay.at_submission(groups[0], run_dir, announce=False), groups[1])
         resources = resources_for(settings, groups)
     except (ConfigError, SweepError) as e:
         raise SweepError(f"{where}: {e}") from e

@@ -354,6 +354,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     (row,) = job_rows(registry, ref.sweep_id, ref.num)
     job, sweep = row.job, registry.sweep(ref.sweep_id)
     attempts = registry.attempts(ref.sweep_id, ref.num)
+    avoided = registry.exclusions(ref.sweep_id, ref.num)  # the nodes a retry was kept off, and why
     config_path = Path(job.run_dir) / ".switchyard" / "config.yaml"
     config_text = _read(config_path) or f"(missing: {config_path})\n"
     memory = row.memory
@@ -363,6 +364,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                           "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
                           "config_path": str(config_path), "config": config_text,
                           "attempts": [a.__dict__ for a in attempts],
+                          "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
                           "memory": memory, "warnings": reconciled.warnings}, indent=1), file=out)
         return 0
     colour = colour_enabled(out)
@@ -377,10 +379,18 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
               a.error or ""] for a in attempts]
     print(render_table(["TRY", "SLURM_ID", "STATE", "REQUEUES", "EXIT", "NODE", "STARTED", "RUNTIME",
                         "ERROR"], cells, [{2: paint(a.state, colour)} for a in attempts]), file=out)
+    for line in avoided_lines(attempts, avoided):
+        print(line, file=out)
     if memory:
         print("\n" + format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
     return 0
+
+
+def avoided_lines(attempts: list[Attempt], avoided: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """``try 2 avoided n2: rank 0 was killed by a signal (srun: Killed) in try 1``."""
+    return [f"try {a.attempt} avoided {n['node']}: {n['why']} in try {n['attempt']}"
+            for a in attempts for n in avoided.get(a.id, [])]
 
 
 def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout,
@@ -489,6 +499,11 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
         return 0
     print(f"resubmitted {len(resubmitted)} job(s) of sweep {ref.sweep_id} from their saved configs:",
           file=out)
+    avoided = registry.exclusions(ref.sweep_id)
+    for job, _ in resubmitted:
+        latest = registry.attempts(ref.sweep_id, job.num)[-1]
+        for node in avoided.get(latest.id, []):
+            print(f"keeping {job.ref} off {node['node']}: {node['why']} (try {node['attempt']})", file=out)
     shown = varying(registry.jobs(ref.sweep_id))
     print(render_table(["JOB", "SLURM_ID", "OVERRIDES"],
                        [[job.ref, slurm_id, " ".join(shown[job.num])] for job, slurm_id in resubmitted]),

@@ -1,0 +1,108 @@
+"""Which node an attempt that failed leaves behind: its next attempt is submitted with it in
+``--exclude``, so a "black hole" node (a broken GPU or file system, where every job dies in
+seconds) does not take the retries too.
+
+A node is blamed for what is the node's doing, not the code's:
+- a node failure: SLURM ended the job NODE_FAIL (the node stopped answering);
+- a rank killed by a signal: srun reports the task ``Killed``, ``Segmentation fault``, ``Bus error``...
+  (a rank that exits with an error code is the code's, and blames nobody). Only what srun reports
+  before it starts stopping the other tasks counts: those are consequences;
+- a CUDA or NCCL error in the last lines of a rank's log (an ECC error, ``CUDA error: ...``,
+  ``NCCL error``; a device-side assert is the code's).
+
+Pure functions over log text (``from_logs``) and one reader of an attempt's submitit logs
+(``of_attempt``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# srun's report of a task that ended on its own. Not anchored at a line start: a progress bar's
+# last "\r" frame has no newline after it.
+SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): ([^\r\n]+)")
+SRUN_STOPPING = "_step_signal: Terminating"  # srun --kill-on-bad-exit stopping the others
+_EXITED = re.compile(r"^exited with exit code \d+$", re.IGNORECASE)
+_DEVICE_ERROR = re.compile(r"CUDA error(?!: device-side assert)|cudaError\w+|CUDA driver error|"
+                           r"uncorrectable ECC|\bXid\b|NCCL error|unhandled cuda error|"
+                           r"unhandled system error", re.IGNORECASE)
+# An NCCL error that only says another rank went away: the other rank's node, not this one.
+_PEER_LOST = re.compile(r"remote process exited|Connection (reset|closed)|Broken pipe|timed? ?out",
+                        re.IGNORECASE)
+_BANNER = re.compile(r"switchyard: rank (\d+)/\d+ on node (\S+)")
+TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class BadNode:
+    node: str
+    why: str  # for people: what happened there, shown by `switchyard show`
+
+    def as_dict(self) -> dict[str, str]:
+        return {"node": self.node, "why": self.why}
+
+
+def srun_errors(batch_stderr: str) -> list[tuple[str, int, str]]:
+    """(node, rank, srun's reason) for each task srun saw end on its own, in srun's order, up to
+    the point where it starts stopping the others."""
+    found = []
+    for node, tasks, reason in SRUN_ERROR.findall(batch_stderr.split(SRUN_STOPPING, 1)[0]):
+        if reason.strip() == "Terminated":
+            continue
+        for part in tasks.split(","):
+            lo, _, hi = part.partition("-")
+            found += [(node, rank, reason.strip()) for rank in range(int(lo), int(hi or lo) + 1)]
+    return found
+
+
+def from_logs(state: str, job_nodes: Sequence[str], batch_stderr: str,
+              rank_logs: Mapping[int, tuple[str | None, str]]) -> list[BadNode]:
+    """The nodes one ended attempt blames, each once, strongest evidence first. ``rank_logs``:
+    rank -> (its node, its log's text)."""
+    blamed: dict[str, str] = {}
+    if state == "NODE_FAIL":
+        for node in job_nodes:
+            blamed.setdefault(node, "node failure (SLURM ended the job NODE_FAIL)")
+    for node, rank, reason in srun_errors(batch_stderr):
+        if not _EXITED.match(reason):
+            blamed.setdefault(node, f"rank {rank} was killed by a signal (srun: {reason})")
+    if blamed:  # a rank killed: its peers' errors (a lost NCCL connection) are consequences
+        return [BadNode(node, why) for node, why in blamed.items()]
+    for rank, (rank_node, text) in sorted(rank_logs.items()):
+        line = next((line for line in reversed(text.splitlines()[-TAIL_LINES:])
+                     if _DEVICE_ERROR.search(line) and not _PEER_LOST.search(line)), None)
+        if rank_node is not None and line is not None:
+            blamed.setdefault(rank_node, f"rank {rank}'s log ends with a CUDA/NCCL error: "
+                                         f"{line.strip()[:200]}")
+    return [BadNode(node, why) for node, why in blamed.items()]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def of_attempt(log_dir: Path, job_id: str, state: str, node: str | None) -> list[BadNode]:
+    """``from_logs`` over a submitit attempt's logs (``JOBID_TASK_log.out|err``; task 0's .err
+    also holds the batch script's, where srun reports). ``node``: where the registry saw it run."""
+    rank_logs: dict[int, tuple[str | None, str]] = {}
+    for out in sorted(log_dir.glob(f"{job_id}_*_log.out")):
+        text = _read(out)
+        banner = _BANNER.search(text[:8192])
+        if banner is None:
+            continue
+        err = out.with_name(out.name.removesuffix(".out") + ".err")
+        rank_logs[int(banner.group(1))] = (banner.group(2), text + "\n" + _read(err))
+    nodes = [node] if node else sorted({n for n, _ in rank_logs.values() if n})
+    return from_logs(state, nodes, _read(log_dir / f"{job_id}_0_log.err"), rank_logs)
+
+
+def exclude_list(user_exclude: str | None, nodes: Sequence[str]) -> str | None:
+    """``--exclude``: the user's own (node-list syntax, kept as written) and the nodes left behind."""
+    parts = [p for p in (user_exclude, ",".join(nodes)) if p]
+    return ",".join(parts) or None

@@ -1,0 +1,55 @@
+"""Which node a failed attempt leaves behind: a node failure, a rank killed by a signal, a CUDA or
+NCCL error at the end of a rank's log; never a rank that exited with an error of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.launch.bad_nodes import BadNode, exclude_list, from_logs, of_attempt
+
+KILLED = ("srun: error: n2: task 1: Killed\n"
+          "slurmstepd: error: *** STEP 12.0 ON n1 CANCELLED AT 2026-11-25T05:00:00 ***\n"
+          "srun: launch/slurm: _step_signal: Terminating StepId=12.0\n"
+          "srun: error: n1: task 0: Killed\n")  # after Terminating: srun stopped it, a consequence
+
+
+def test_a_rank_killed_by_a_signal_blames_its_node_and_not_the_ones_srun_stopped() -> None:
+    assert from_logs("FAILED", ["n1", "n2"], KILLED, {}) == [
+        BadNode("n2", "rank 1 was killed by a signal (srun: Killed)")]
+
+
+def test_a_rank_that_exited_with_an_error_blames_no_node() -> None:
+    stderr = "srun: error: n2: task 0: Exited with exit code 1\n"
+    logs = {0: ("n2", "Traceback ...\nValueError: my bug\n")}
+    assert from_logs("FAILED", ["n2"], stderr, logs) == []
+
+
+def test_a_node_failure_blames_the_jobs_nodes() -> None:
+    assert from_logs("NODE_FAIL", ["n1"], "", {}) == [
+        BadNode("n1", "node failure (SLURM ended the job NODE_FAIL)")]
+
+
+def test_a_cuda_error_in_a_ranks_log_tail_blames_its_node_but_a_device_assert_or_lost_peer_does_not() -> None:
+    ecc = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    logs = {0: ("n1", "step 3\n" + ecc + "\n"),
+            1: ("n2", "RuntimeError: CUDA error: device-side assert triggered\n"),
+            2: ("n3", "torch.distributed.DistBackendError: NCCL error: remote process exited or there "
+                      "was a network error\n")}
+    assert from_logs("FAILED", ["n1", "n2", "n3"], "srun: error: n1: task 0: Exited with exit code 1\n",
+                     logs) == [BadNode("n1", f"rank 0's log ends with a CUDA/NCCL error: {ecc}")]
+
+
+def test_of_attempt_reads_an_array_tasks_submitit_logs(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        (tmp_path / f"40_3_{rank}_log.out").write_text(
+            f"switchyard: rank {rank}/2 on node n2 (local rank {rank}, job 40_3, pid 9)\n")
+    (tmp_path / "40_3_0_log.err").write_text("srun: error: n2: task 0: Segmentation fault\n")
+    (tmp_path / "41_3_0_log.err").write_text("srun: error: n1: task 0: Killed\n")  # another job
+    assert of_attempt(tmp_path, "40_3", "FAILED", "n2") == [
+        BadNode("n2", "rank 0 was killed by a signal (srun: Segmentation fault)")]
+
+
+def test_the_exclude_list_keeps_the_users_own() -> None:
+    assert exclude_list("gpu[01-02]", ["n2"]) == "gpu[01-02],n2"
+    assert exclude_list(None, ["n2", "n1"]) == "n2,n1"
+    assert exclude_list(None, []) is None
