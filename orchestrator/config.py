@@ -596,6 +596,10 @@ class MemoryConfig:
     # The peak memory per rank, estimated before submission (training/estimate.py). check: a step
     # above 95% of the GPU is refused, naming the cheapest option that fits; warn: shown only; off.
     estimate: str = "check"
+    # A step that runs out of memory is run again at half the micro-batch (twice the pieces per
+    # step: the same samples and gradient), on every rank; the size is kept for the rest of the run
+    # and in the checkpoint (training/microbatch.py). ddp only.
+    auto_microbatch: bool = False
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_MODES:
@@ -687,6 +691,11 @@ class TrainConfig:
                           "precision (FSDP2's policy: bf16 parameters, fp32 gradient reduction); fp16 "
                           "needs a gradient scaler that does not work on sharded gradients",
                           "memory.amp=bf16, or parallelism.strategy=ddp")
+        if parallelism.strategy == "fsdp" and self.memory.auto_microbatch:
+            raise invalid("memory.auto_microbatch", True, "parallelism.strategy=fsdp all-gathers "
+                          "parameters inside forward and backward, so one rank running out of memory "
+                          "there would leave the others waiting in a collective",
+                          "memory.auto_microbatch=false, or parallelism.strategy=ddp")
         if self.cluster.mode == "debug" and self.parallelism.world_size > 1:
             # Not an error: debug mode exists to step through one rank.
             gpus = min(self.parallelism.gpus_per_node, 1)

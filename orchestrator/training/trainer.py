@@ -45,6 +45,7 @@ from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
 from orchestrator.training import checkpoint, checkpointing, estimate, preemption, runtime, strategy
 from orchestrator.training.device_batches import to_device
+from orchestrator.training.microbatch import AutoMicroBatch
 from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
 from orchestrator.training.tasks import Task, build_task
@@ -213,14 +214,16 @@ GradSync = Callable[[bool], contextlib.AbstractContextManager[Any]]
 
 def backward_micro_batches(model: nn.Module, batches: list[Batch], task: Task, batch_size: int,
                            amp: str, scaler: torch.amp.GradScaler,
-                           grad_sync: GradSync | None = None) -> torch.Tensor:
+                           grad_sync: GradSync | None = None, denominator: float | None = None
+                           ) -> torch.Tensor:
     """Accumulate gradients over micro-batches, reducing them only on the last: ``grad_sync(False)``
     around the others (the strategy's; DDP's ``no_sync`` by default). ``amp``: what autocast runs
-    (fsdp's own policy casts, so it passes "none").
+    (fsdp's own policy casts, so it passes "none"). ``denominator``: the fixed one, when
+    ``batches`` are pieces of the loaded batches (``memory.auto_microbatch``).
 
     Returns [loss sum, unit count, real-sample count] on the batches' device.
     """
-    denominator = task.denominator(batch_size) * len(batches)
+    denominator = denominator or task.denominator(batch_size) * len(batches)
     sums = new_sums(batches[0]["is_pad"].device)
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1
@@ -436,6 +439,8 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}  # of the last evaluation
         self.window: MetricsWindow | None = None  # the open training-loss window (run's loop)
         self.window_sums: list[float] | None = None  # a restored checkpoint's open window
+        self.micro = AutoMicroBatch(rt, cfg.data.batch_size, cfg.optim.grad_accum_steps, run_dir) \
+            if cfg.memory.auto_microbatch else None  # the micro-batch a step runs at, halved at an OOM
 
     def make_loader(self, ds: ShardedDataset, train: bool) -> tuple[ShardedSampler, Any]:
         """This rank's sampler and loader over ``ds``: the padded batches of its samples, or what
@@ -498,8 +503,7 @@ class Trainer:
         self.mark("compute")
         # fsdp: its mixed-precision policy casts parameters and inputs; autocast would cast again
         amp = self.cfg.memory.amp if self.strategy.name == "ddp" else "none"
-        sums = backward_micro_batches(self.model, batches, self.task, self.cfg.data.batch_size, amp,
-                                      self.scaler, lambda sync: self.strategy.grad_sync(self.model, sync))
+        sums = self.backward(batches, amp)
         self.batches_seen += len(batches)
         self.sampler.advance(sum(len(b["index"]) for b in batches))
         if self.cfg.optim.clip_grad_norm > 0:
@@ -525,6 +529,23 @@ class Trainer:
         self.units += sums[1].to(torch.int64)
         self.real_samples += sums[2].to(torch.int64)
         return sums
+
+    def backward(self, batches: list[Batch], amp: str) -> torch.Tensor:
+        """The step's forward and backward, gradients reduced over ranks; ``memory.auto_microbatch``:
+        in pieces of the current micro-batch, halved on every rank when one runs out of memory."""
+        model, batch_size = self.model, self.cfg.data.batch_size
+        if self.micro is None:
+            return backward_micro_batches(model, batches, self.task, batch_size, amp, self.scaler,
+                                          lambda sync: self.strategy.grad_sync(model, sync))
+        denominator = self.task.denominator(batch_size) * len(batches)  # of the loaded batches
+
+        def unreduced(pieces: list[Batch]) -> torch.Tensor:  # the micro-batch module reduces
+            return backward_micro_batches(model, pieces, self.task, batch_size, amp, self.scaler,
+                                          lambda sync: self.strategy.grad_sync(model, False), denominator)
+
+        return self.micro.step(self.step + 1, batches, unreduced,
+                               lambda: self.optimizer.zero_grad(set_to_none=True),
+                               self.strategy.module(model))
 
     def update_allowed(self, sums: torch.Tensor) -> bool:
         """optim.on_nonfinite=skip: whether this step's loss, and its gradients, are finite on every
@@ -607,6 +628,7 @@ class Trainer:
         return {"step": self.step, "schedule": self.schedule.state_dict(),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size,
+                "micro_batch": self.micro.as_summary() if self.micro is not None else None,
                 "provenance": provenance.for_checkpoint(self.run_dir)}
 
     def restore(self) -> None:
@@ -637,6 +659,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
+        if self.micro is not None:  # a resume starts at the micro-batch the run had come down to
+            self.micro.restore(state.get("micro_batch"))
         if state["world_size"] == self.rt.env.world_size:  # the same rank keeps its own streams
             mine = state["per_rank"][self.rt.env.rank]
             set_rng_state(mine["rng"])
@@ -715,6 +739,11 @@ class Trainer:
             while self.step < cfg.optim.max_steps:
                 logs = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == cfg.optim.max_steps
                 window.add(self.optimizer_step(stream, want_norm=logs))
+                if self.micro is not None and self.micro.unlogged:  # the step whose micro-batch halved
+                    if log is not None:
+                        for change in self.micro.unlogged:
+                            log.log(change["step"], {"micro_batch_size": change["micro_batch_size"]})
+                    self.micro.unlogged.clear()
                 last = self.step == cfg.optim.max_steps
                 if logs:
                     self.check_finite()
@@ -782,6 +811,7 @@ class Trainer:
             "wall_s": wall_s, "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
             "node_per_rank": [r["node"] for r in per_rank], "backend": self.rt.backend,
             "resumed_from": self.resumed_from, "checkpoint_warnings": self.checkpoint_warnings,
+            "auto_microbatch": self.micro.as_summary() if self.micro is not None else None,
             "skipped_nonfinite_steps": self.skipped_steps, **saves, "signal_delay": chosen,
             "resume_s": self.resumed_from["resume_s"] if self.resumed_from else None,
         }
