@@ -119,8 +119,9 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
                 state.sweep_id = registry.create_sweep(
                     app=str(master.hydra.job.name), command=sweep_command(master),
                     sweep_dir=str(sweep_dir), executor=settings.executor, entry_path=str(state.entry))
-            for p in points:
-                write_point(p, cast(Path, state.entry), origin, diff)
+            entry = cast(Path, state.entry)
+            registry.record_provenance(state.sweep_id,
+                                       {p.num: write_point(p, entry, origin, diff) for p in points})
             registry.add_jobs(Job(state.sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
                                   p.total_steps) for p in points)
             return _submit_and_wait(settings, registry, state.sweep_id, points, sweep_dir, wait)

@@ -235,13 +235,16 @@ def write_entry(sweep_dir: Path, task_function: Callable[..., Any], hydra_contex
     return path
 
 
-def write_point(point: Point, entry: Path, origin: provenance.Origin, diff: Path | None) -> None:
+def write_point(point: Point, entry: Path, origin: provenance.Origin, diff: Path | None
+                ) -> dict[str, Any]:
+    """The point's files; returns its provenance (what ``provenance.json`` says it runs)."""
     import cloudpickle  # by value for schemas defined in a script's __main__
 
     config_yaml = OmegaConf.to_yaml(point.task_cfg)
     write_bytes(point.files / "config.pkl", cloudpickle.dumps(point.config))
     write_bytes(point.files / "config.yaml", config_yaml.encode())
-    provenance.record(point.run_dir, point.code, config_yaml, origin, diff)
+    recorded = provenance.record(point.run_dir, point.code, config_yaml, origin, diff)
     spec = {"num": point.num, "overrides": point.overrides, "entry": str(entry), "ddp": point.is_ddp}
     write_bytes(point.files / "point.json", json.dumps(spec, indent=1).encode())
+    return recorded
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig
+from orchestrator.launch import provenance
 from orchestrator.sweeps.registry import Job, Observation, Registry, RegistryError, Submitted, TaskStatus
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
         sweep_id = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
                                          executor=executor, entry_path="")
         registry.add_jobs([Job(sweep_id, SINGLE_NUM, overrides, str(run_dir), {}, None)])
+        if (origin := provenance.read(run_dir)) is not None:  # written at submission (at_submission)
+            registry.record_provenance(sweep_id, {SINGLE_NUM: origin})
         attempt_id = registry.claim(sweep_id, [SINGLE_NUM])[SINGLE_NUM]
         array_id, _, index = job_id.partition("_")
         registry.confirm([Submitted(attempt_id, job_id, array_id if index else None,

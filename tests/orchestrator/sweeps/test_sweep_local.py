@@ -72,6 +72,21 @@ def test_blocking_local_sweep_runs_every_point_and_records_it(tmp_path: Path) ->
     assert (run_dir / ".hydra" / "overrides.yaml").exists()  # Hydra's own outputs, as usual
 
 
+def test_each_jobs_provenance_is_kept_in_the_registry_and_shown_without_its_run_directory(
+        tmp_path: Path) -> None:
+    write_app(tmp_path)
+    proc = run_app(tmp_path, "x=1,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "multirun" / "1"
+    written = json.loads((run_dir / "provenance.json").read_text())
+    (run_dir / "provenance.json").unlink()  # what show prints now comes from the registry alone
+    shown = switchyard(tmp_path, "show", "1/1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["provenance"] == written
+    text = switchyard(tmp_path, "show", "1/1").stdout
+    assert f"config sha256: {written['config_sha256'][:16]}" in text and "versions: python " in text
+
+
 def test_hydras_batches_of_one_sweep_are_recorded_as_one_sweep(tmp_path: Path) -> None:
     write_app(tmp_path)
     proc = run_app(tmp_path, "x=1,2,3", "hydra.sweeper.max_batch_size=2",

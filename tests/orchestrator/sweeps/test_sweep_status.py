@@ -147,3 +147,19 @@ def test_logs_of_a_rank_the_job_does_not_have_name_its_ranks(tmp_path: Path) -> 
     out = io.StringIO()
     assert cmd_logs(reg, f"{sweep_id}/0", 1, follow=False, stream="out", out=out) == 0
     assert "not written yet" in out.getvalue()
+
+
+def test_a_single_jobs_provenance_is_kept_in_the_registry(tmp_path: Path) -> None:
+    from orchestrator.launch import provenance
+    from orchestrator.sweeps import single
+
+    run_dir = tmp_path / "run"
+    written = provenance.record(run_dir, None, "seed: 1\n", provenance.origin(), None)
+    recorded = single.record("train", "seed=1", run_dir, "local", "4242", tmp_path / "logs", ["seed=1"],
+                             "seed: 1\n", tmp_path / "reg.db")
+    (run_dir / provenance.PROVENANCE_FILE).unlink()
+    with Registry(tmp_path / "reg.db") as reg:
+        assert reg.provenance(recorded.sweep_id, single.SINGLE_NUM) == written
+        out = io.StringIO()
+        cmd_show(reg, recorded.ref, as_json=False, out=out)
+    assert "code snapshot: none (the job imported the working tree)" in out.getvalue()
