@@ -38,8 +38,8 @@ from orchestrator import atomic
 REGISTRY_ENV = "SWITCHYARD_REGISTRY"
 DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
 BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
-# 2: results, 3: digests, 5: provenance (an older file gets them when first opened)
-SCHEMA_VERSION = 5
+# 2: results, 3: digests, 5: provenance, 6: exclusions (an older file gets them when first opened)
+SCHEMA_VERSION = 6
 
 # Attempt states: SLURM's own names, plus the two before SLURM knows the job.
 SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
@@ -103,6 +103,10 @@ CREATE TABLE IF NOT EXISTS results (
     peak_bytes  INTEGER,            -- the memory section's highest peak (GPU used, else rank RSS)
     flags       TEXT NOT NULL,      -- JSON list: the memory section's flags
     memory      TEXT                -- JSON: summary.json's memory section, or the telemetry summarised
+);
+CREATE TABLE IF NOT EXISTS exclusions (
+    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
+    nodes       TEXT NOT NULL       -- JSON list of {node, why, attempt}: what this attempt was kept off
 );
 CREATE TABLE IF NOT EXISTS provenance (
     sweep_id    INTEGER NOT NULL,
@@ -465,6 +469,21 @@ class Registry:
             query, args = query + " AND a.num = ?", [*args, num]
         return {attempt_id: Result(step, loss, peak, [] if flags == "[]" else json.loads(flags), memory)
                 for attempt_id, step, loss, peak, flags, memory in self._db.execute(query, args)}
+
+    def record_exclusions(self, excluded: Mapping[int, list[dict[str, Any]]]) -> None:
+        """The nodes each attempt was submitted to avoid: ``{attempt id: [{node, why, attempt}]}``
+        (``attempt``: the one that failed there), before its sbatch runs."""
+        with self._write() as db:
+            db.executemany("INSERT OR REPLACE INTO exclusions (attempt_id, nodes) VALUES (?, ?)",
+                           [(i, json.dumps(nodes)) for i, nodes in excluded.items() if nodes])
+
+    def exclusions(self, sweep_id: int, num: int | None = None) -> dict[int, list[dict[str, Any]]]:
+        """``{attempt id: [{node, why, attempt}]}`` of this sweep's attempts (or one job's)."""
+        query, args = ("SELECT e.attempt_id, e.nodes FROM exclusions e JOIN attempts a ON "
+                       "a.id = e.attempt_id WHERE a.sweep_id = ?"), [sweep_id]
+        if num is not None:
+            query, args = query + " AND a.num = ?", [*args, num]
+        return {attempt_id: json.loads(nodes) for attempt_id, nodes in self._db.execute(query, args)}
 
     def record_provenance(self, sweep_id: int, records: Mapping[int, dict[str, Any]]) -> None:
         """What each job runs (``{num: provenance}``: code snapshot, git commit and dirty tree,
