@@ -354,6 +354,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     (row,) = job_rows(registry, ref.sweep_id, ref.num)
     job, sweep = row.job, registry.sweep(ref.sweep_id)
     attempts = registry.attempts(ref.sweep_id, ref.num)
+    cause = failure_cause(job, attempts[-1], sweep.executor) if attempts else None
     avoided = registry.exclusions(ref.sweep_id, ref.num)  # the nodes a retry was kept off, and why
     config_path = Path(job.run_dir) / ".switchyard" / "config.yaml"
     config_text = _read(config_path) or f"(missing: {config_path})\n"
@@ -367,7 +368,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                           "config_path": str(config_path), "config": config_text,
                           "attempts": [a.__dict__ for a in attempts],
                           "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
-                          "memory": memory, "warnings": reconciled.warnings}, indent=1), file=out)
+                          "memory": memory, "warnings": reconciled.warnings, "failure": cause},
+                         indent=1), file=out)
         return 0
     colour = colour_enabled(out)
     print(f"job {job.ref}  sweep {sweep.id} ({sweep.app})\noverrides: {' '.join(job.overrides) or '-'}\n"
@@ -383,10 +385,34 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                         "ERROR"], cells, [{2: paint(a.state, colour)} for a in attempts]), file=out)
     for line in avoided_lines(attempts, avoided):
         print(line, file=out)
+    if cause is not None:
+        print(f"\nwhy try {attempts[-1].attempt} failed (its ranks' results and logs):\n{cause}", file=out)
     if memory:
         print("\n" + format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
     return 0
+
+
+def failure_cause(job: Job, attempt: Attempt, executor: str) -> str | None:
+    """For a SLURM attempt that failed: the report a single job prints (``submit.failure``), read
+    from its ranks' result files and logs: the rank that failed first and its error, a rank killed
+    by a signal, or the rank a hang waited for. The ERROR column holds what rank 0's status file
+    says, which for a failure on another rank is the consequence ("Connection closed by peer").
+    None when the attempt did not fail, or its logs or rank count are unknown."""
+    ranks = num_ranks(job)
+    if (executor != "slurm" or attempt.state != "FAILED" or not attempt.log_dir or not attempt.slurm_id
+            or not ranks or not Path(attempt.log_dir).is_dir()):
+        return None
+    import submitit  # here: `switchyard status` stays light
+
+    from orchestrator.launch import submit
+
+    slurm_job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=attempt.log_dir, job_id=attempt.slurm_id,
+                                                         tasks=tuple(range(ranks)))
+    outcomes = submit.rank_outcomes(slurm_job)
+    if all(o.error is None and o.no_output is None for o in outcomes):
+        return None
+    return str(submit.failure(slurm_job, outcomes, run_dir=Path(job.run_dir)))
 
 
 def avoided_lines(attempts: list[Attempt], avoided: dict[int, list[dict[str, Any]]]) -> list[str]:
