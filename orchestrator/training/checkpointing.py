@@ -153,7 +153,7 @@ class SingleFile(Checkpointer):
         self.stats.blocking_s += time.perf_counter() - started
 
     def _find(self, listed: list[Path]) -> Found | None:
-        found = checkpoint.load_latest(listed[0].parent, listed) if self.rt.is_main else None
+        found = checkpoint.load_latest(self.directory) if self.rt.is_main else None
         chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
         if chosen is None:
             return None
