@@ -365,10 +365,16 @@ class ShardedLoader(DataLoader[Batch]):
     tensors. A slot holds the largest batch possible (every padded field at its longest), so
     any batch fits; torch reserves all slots in /dev/shm up front, so their total is checked
     against its free space before any is made.
+
+    Each new iterator (each epoch) draws its workers' base seed from ``generator``: by default a
+    generator of the loader's own, never torch's global one. A DataLoader draws from the global
+    generator otherwise, so the dropout masks after a resume (a new iterator at the restored
+    position) differed from an uninterrupted run's, and a resume with dropout was not exact.
     """
 
     def __init__(self, dataset: RankDataset, *args: Any, ring_slots: int | None = None,
                  worker_ignores: tuple[signal.Signals, ...] = (), **kwargs: Any) -> None:
+        kwargs.setdefault("generator", torch.Generator().manual_seed(0))
         if worker_ignores:
             kwargs["worker_init_fn"] = functools.partial(
                 _ignore_signals, worker_ignores, kwargs.get("worker_init_fn"))
