@@ -5,7 +5,9 @@
    the transport NCCL chose between the GPUs (rank 0's ``nccl transport:`` line);
 3. peak GPU memory of each memory option on one transformer (1024 wide, 8 layers, batch 64 of up
    to 512 rows): none, bf16, fp16, activation checkpointing, both, grad accumulation;
-4. a resume: a run stopped at step 20 continued in place to step 40;
+4. a resume: a run stopped at step 20 continued in place to step 40; and a transformer with
+   dropout (which draws from the CUDA generator) stopped at step 15 and resumed ends with the
+   weights of a run straight to step 30;
 5. ``bench/train_bench.py --device cuda`` for mlp and transformer at batch 256 with 4 workers;
 6. ``parallelism.strategy=fsdp`` on every GPU (bf16): a run, a resume, and ``bench/fsdp_bench.py
    --device cuda`` (model state and peak allocated per rank, ddp vs fsdp, 1024 wide, 8 layers);
@@ -139,6 +141,23 @@ def resume(c: Check) -> None:
         return c.failed("resume in place", again)
     c.row("resume in place", "ok" if resumed and summary["steps"] == 40 else "FAILED",
           f"resumed: {resumed}, steps {summary['steps']}")
+    dropout_resume(c)
+
+
+def dropout_resume(c: Check) -> None:
+    """Dropout draws from the CUDA generator: a run stopped at step 15 and continued to 30 ends with
+    the weights of a run straight to 30 only if each rank's CUDA RNG state is checkpointed."""
+    common = ["cluster=local", "parallelism.gpus_per_node=1", "model=transformer", "model.dropout=0.1",
+              "deterministic=true", "checkpoint.every_steps=5"]
+    _, straight, _ = c.train("dropout straight", *common, "optim.max_steps=30")
+    first, _, run_dir = c.train("dropout resumed", *common, "optim.max_steps=15")
+    _, resumed, _ = c.train("dropout resumed", *common, "optim.max_steps=30", run_dir=run_dir)
+    if straight is None or resumed is None:
+        return c.failed("dropout resume bit-identical", first)
+    same = straight["param_checksum_per_rank"] == resumed["param_checksum_per_rank"]
+    c.row("dropout resume bit-identical", "ok" if same else "FAILED",
+          f"weights at step 30: straight {straight['param_checksum_per_rank'][0]}, stopped at 15 and "
+          f"resumed {resumed['param_checksum_per_rank'][0]}")
 
 
 def train_bench(c: Check, quick: bool) -> None:

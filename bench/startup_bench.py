@@ -1,0 +1,135 @@
+"""Submit -> done: a 1-step 2x2 ``jobs.train`` job against a bare ``sbatch`` + ``srun`` script that
+does a gloo DDP init and one all-reduce, on the local SLURM cluster (issue 30's target: at most 1.3x).
+
+Each pair runs the two whole commands one after the other, alternating which goes first, so a drift
+in the machine's speed hits both; the ratio is taken pair by pair and its median reported. Both
+commands wait for their job: ``sbatch --wait`` for the bare script, ``jobs.train`` by default.
+
+For each ``jobs.train`` run it also reports where the seconds went:
+
+- on the submitting side, from the lines it prints (``run_dir:`` after the config and the checks,
+  ``job:`` once sbatch returned, ``summary:`` once the result was read) and the process's exit;
+- on rank 0, ``summary.json``'s ``startup_s`` (process start -> first step: imports, preflight,
+  rendezvous, data, model, resume, first step) and ``ending_s`` (last step -> result).
+
+Run on a quiet machine (figures in docs/performance.md, "Start-up")::
+
+    .venv/bin/switchyard cluster up
+    .venv/bin/python bench/startup_bench.py --pairs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+BARE_RANK = """
+import os, datetime, torch, torch.distributed as dist
+store = dist.TCPStore(os.environ["MASTER_ADDR"], 29731, int(os.environ["SLURM_NTASKS"]),
+                      int(os.environ["SLURM_PROCID"]) == 0, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=int(os.environ["SLURM_PROCID"]),
+                        world_size=int(os.environ["SLURM_NTASKS"]))
+t = torch.ones(1)
+dist.all_reduce(t)
+assert int(t.item()) == dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+BARE_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --output={out}/%j.out
+#SBATCH --error={out}/%j.err
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun {python} {rank}
+"""
+
+
+def bare(work: Path) -> float:
+    rank = work / "bare_rank.py"
+    rank.write_text(BARE_RANK)
+    script = work / "bare.sbatch"
+    script.write_text(BARE_SCRIPT.format(out=work, python=sys.executable, rank=rank))
+    started = time.monotonic()
+    proc = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"the bare job failed: {proc.stdout}{proc.stderr}")
+    return seconds
+
+
+def switchyard(work: Path, index: int) -> dict[str, Any]:
+    run_dir = work / f"run-{index}"
+    command = [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
+               "parallelism.procs_per_node=2", "optim.max_steps=1", "data.demo_num_samples=64",
+               "telemetry.enabled=false", "logger.tensorboard=false", f"data.cache_dir={work / 'cache'}",
+               f"hydra.run.dir={run_dir}"]
+    started = time.monotonic()
+    marks: dict[str, float] = {}
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            for prefix in ("run_dir:", "job:", "summary:"):
+                if line.startswith(prefix) and prefix not in marks:
+                    marks[prefix] = time.monotonic() - started
+    total = time.monotonic() - started
+    if proc.returncode != 0 or "summary:" not in marks:
+        raise SystemExit(f"jobs.train failed (exit {proc.returncode}); see {run_dir}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"total_s": total, "checks_s": marks.get("run_dir:", 0.0),
+            "submitted_s": marks.get("job:", 0.0), "result_s": marks["summary:"],
+            "exit_s": total - marks["summary:"], "startup_s": summary.get("startup_s", {}),
+            "ending_s": summary.get("ending_s", {})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write every run's figures here")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
+    switchyard(work, -1)  # warm-up: the demo dataset, the code snapshot, the page cache
+    bare(work)
+    runs: list[dict[str, Any]] = []
+    for pair in range(args.pairs):
+        order = ("bare", "switchyard") if pair % 2 else ("switchyard", "bare")
+        figures: dict[str, Any] = {}
+        for which in order:
+            figures[which] = bare(work) if which == "bare" else switchyard(work, pair)
+        figures["ratio"] = figures["switchyard"]["total_s"] / figures["bare"]
+        runs.append(figures)
+        print(f"pair {pair}: jobs.train {figures['switchyard']['total_s']:.2f} s, bare sbatch+srun "
+              f"{figures['bare']:.2f} s, ratio {figures['ratio']:.2f}", flush=True)
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    ours = [r["switchyard"] for r in runs]
+    print(f"\nmedian ratio jobs.train / bare: {median([r['ratio'] for r in runs]):.2f} "
+          f"(jobs.train {median([o['total_s'] for o in ours]):.2f} s, "
+          f"bare {median([r['bare'] for r in runs]):.2f} s)")
+    print("submitting side (median s): " + ", ".join(
+        f"{name} {median([o[key] for o in ours]):.2f}" for name, key in
+        (("config and checks", "checks_s"), ("to sbatch returned", "submitted_s"),
+         ("to result read", "result_s"), ("exit after the result", "exit_s"))))
+    for section in ("startup_s", "ending_s"):
+        names = list(ours[0][section])
+        print(f"rank 0 {section} (median s): " + ", ".join(
+            f"{name} {median([o[section].get(name, 0.0) for o in ours]):.2f}" for name in names))
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
