@@ -43,7 +43,7 @@ from orchestrator.telemetry.files import (
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
-from orchestrator.training import checkpoint, checkpointing, estimate, preemption, runtime, strategy
+from orchestrator.training import checkpoint, checkpointing, estimate, preemption, runtime, startup, strategy
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.microbatch import AutoMicroBatch
 from orchestrator.training.run_log import RunLog, flatten
@@ -398,15 +398,17 @@ class Trainer:
     """State of one rank's run; ``run()`` is the loop, the rest are its named steps."""
 
     def __init__(self, cfg: TrainConfig, paths: DataPaths, run_dir: Path, rt: Runtime,
-                 pulse: Heartbeat | None = None) -> None:
+                 pulse: Heartbeat | None = None, clock: startup.Clock | None = None) -> None:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
         self.pulse = pulse  # where this rank is, for the hang verdict (heartbeat's docstring)
+        self.clock = clock or startup.Clock()  # where the seconds before the first step go
         self.train_ds: ShardedDataset = open_dataset(paths.train)
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
         self.task = build_task(cfg.task, cfg.data)
         self.sources: dict[Path, Any] = {}  # dataset root -> the task's view of it (``source``)
         self.task.setup(self.train_ds)
         dataset_kwargs = self.task.model_kwargs(self.train_ds)
+        self.clock.mark("data")
         runtime.seed_everything(cfg.seed, rt.env.rank)
         self.strategy = strategy.for_run(rt, cfg.parallelism, cfg.memory)
         self.checkpointer = checkpointing.for_run(self.strategy.name, rt, cfg.checkpoint,
@@ -419,6 +421,7 @@ class Trainer:
         # A real batch of the dataset, never a made-up shape (a CNN's pooling needs real sizes).
         example = self.example_batch()
         self.strategy.settle(self.model, lambda model: self.task.forward(model, example))
+        self.clock.mark("model")
         self.step = 0
         self.real_samples = torch.zeros((), dtype=torch.int64, device=rt.device)  # trained on; no host read
         self.units = torch.zeros((), dtype=torch.int64, device=rt.device)  # the task's: tokens for an LM
@@ -714,6 +717,7 @@ class Trainer:
         self.stop.install()
         self.agree_before_first_step()
         self.restore()
+        self.clock.mark("resume")
         cfg, rt = self.cfg, self.rt
         log = RunLog(cfg.logger, self.run_dir, self.step, flatten(asdict(cfg))) if rt.is_main else None
         try:
@@ -739,6 +743,7 @@ class Trainer:
             while self.step < cfg.optim.max_steps:
                 logs = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == cfg.optim.max_steps
                 window.add(self.optimizer_step(stream, want_norm=logs))
+                self.clock.mark("first_step")  # a dict lookup after the first
                 if self.micro is not None and self.micro.unlogged:  # the step whose micro-batch halved
                     if log is not None:
                         for change in self.micro.unlogged:
@@ -761,9 +766,11 @@ class Trainer:
                     stops.drain()
                     self.stop_for(reason)
         stops.drain()
+        self.clock.mark("last_step")
         if self.eval_ds is not None and not self.due(cfg.eval_every_steps):
             eval_loss, eval_counted = self.evaluate(log)
         self.save_checkpoint(blocking=True)  # on disk, whole, before the process can exit
+        self.clock.mark("final_checkpoint")
         return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
 
     def evaluate(self, log: RunLog | None) -> tuple[float, int]:
@@ -861,6 +868,8 @@ def before_rendezvous(env: dist_env.DistEnv, run: Path) -> Iterator[None]:
 
 
 def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.DistEnv) -> dict[str, Any]:
+    clock = startup.Clock()
+    clock.mark("imports")  # the interpreter, the imports and submitit's unpickling: all before here
     if cfg.deterministic:  # first: cuBLAS takes its workspace setting when the rank first uses CUDA
         runtime.enable_determinism()
     uuids = runtime.cuda_uuids(cfg.parallelism.gpus_per_node)  # NVML finds the GPUs by UUID
@@ -868,19 +877,21 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     print(report.describe(), flush=True)
     register_rank(run, env.rank, env.local_rank, env.hostname, report.device_index,
                   device_uuid=runtime.device_uuid(uuids, report.device_index))
+    clock.mark("preflight")
     if env.is_main:
         clear_end_summary(run)
     sampler = MemorySampler(run, env.hostname, cfg.telemetry.interval_s, cuda_uuids=uuids,
                             attempt=env.restart_count) \
         if cfg.telemetry.enabled and env.is_local_main else None
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index, run)
+    clock.mark("rendezvous")
     runtime.check_bf16(rt.device, cfg.memory.amp)  # where submission could not name the GPU
     runtime.set_tf32(rt.device, cfg.memory.tf32)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:
         with pulse:
             with sampler or contextlib.nullcontext():
-                rank_trainer = Trainer(cfg, paths, run, rt, pulse)
+                rank_trainer = Trainer(cfg, paths, run, rt, pulse, clock)
                 runtime.report_nccl_transport(rt)  # the model's broadcast has connected NCCL
                 summary = rank_trainer.run()
             pulse.mark(summary["steps"], "done")
@@ -889,6 +900,9 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
         if rt.is_main:
             summary["memory"] = summarize(run)
             summary["memory_estimate"] = estimate.read_report(run)  # jobs.train wrote it
+            clock.mark("result")
+            summary["startup_s"], summary["ending_s"] = clock.startup_s(), clock.ending_s()
+            print(startup.describe(summary["startup_s"]), flush=True)
             write_summary(run, summary)
             for flag in summary["memory"]["flags"]:
                 print(f"memory warning: {flag}", flush=True)

@@ -52,6 +52,16 @@ def test_local_two_ranks_train_and_agree(tmp_path: Path) -> None:
     check_ddp_summary(summary, 2)
     assert summary["final_train_loss"] < 0.7 * first_logged_loss(run_dir)
     assert list((run_dir / "checkpoints").glob("step-*.pt"))
+    # Where the seconds before the first step and after the last went, phase by phase, in order.
+    startup, ending = summary["startup_s"], summary["ending_s"]
+    assert list(startup) == ["imports", "preflight", "rendezvous", "data", "model", "resume",
+                             "first_step", "to_first_step"]
+    assert all(v >= 0 for v in startup.values()) and startup["imports"] > 0
+    assert sum(v for k, v in startup.items() if k != "to_first_step") == \
+        pytest.approx(startup["to_first_step"], abs=0.01)
+    assert list(ending) == ["final_checkpoint", "result", "after_last_step"]
+    assert "start-up: " in (run_dir / "submitit").joinpath(
+        next(p.name for p in (run_dir / "submitit").glob("*_0_log.out"))).read_text()
     # No NVIDIA driver here: the same telemetry files, with each rank's CPU memory instead.
     memory = summary["memory"]
     assert memory["mode"] == "cpu" and memory["num_samples"] >= 2 and memory["flags"] == []
