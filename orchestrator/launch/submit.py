@@ -12,7 +12,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -297,6 +297,16 @@ class StateWatch:
         return state
 
 
+def backoff(first_s: float = 0.25, factor: float = 1.5, most_s: float = 5.0) -> Iterator[float]:
+    """Poll intervals: short at first, when a job on an idle cluster starts (or a short one ends)
+    within a second or two, then longer, so a job pending for hours costs a query per
+    ``most_s``. A fixed 5 s poll made every short job wait up to 5 s more than it ran."""
+    wait = first_s
+    while True:
+        yield wait
+        wait = min(most_s, wait * factor)
+
+
 def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0,
                   patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
     """Wait while a SLURM job is pending; one whose pending reason it can never meet (a limit
@@ -306,7 +316,7 @@ def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0
     through gaps in accounting (``StateWatch``)."""
     if not isinstance(job, submitit.SlurmJob):
         return
-    watch = StateWatch(job, patience_s)
+    watch, waits = StateWatch(job, patience_s), backoff(most_s=poll_s)
     while watch.state() in ("PENDING", "UNKNOWN", "REQUEUED"):
         reason = slurm_request.never_starts(str(job.job_id))
         if reason is not None:
@@ -317,14 +327,15 @@ def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0
                 what = "cancelled it (cluster.never_starts=keep leaves such a job queued)"
             raise SubmissionError(f"job {job.job_id} is pending for a reason it can never meet "
                                   f"({reason}): {slurm_request.why_never(reason)}; {what}")
-        time.sleep(poll_s)
+        time.sleep(next(waits))
 
 
-def wait_slurm(job: submitit.Job[Any], poll_s: float = 1.0, ask_every_s: float = 10.0,
+def wait_slurm(job: submitit.Job[Any], poll_s: float = 0.2, ask_every_s: float = 10.0,
                patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
     """Wait until every rank of a SLURM job has written its result, or SLURM says the job has
-    ended (asked every ``ask_every_s``, through gaps in accounting: ``StateWatch``). submitit's
-    own wait asks sacct alone and, while accounting is silent, waits forever for a rank that
+    ended (asked every ``ask_every_s``, through gaps in accounting: ``StateWatch``). The result
+    files are looked for every ``poll_s`` (a stat per rank), so a job's end is seen at once.
+    submitit's own wait asks sacct alone and, while accounting is silent, waits forever for a rank that
     died without a result."""
     watch = StateWatch(job, patience_s)
     asked = -math.inf
