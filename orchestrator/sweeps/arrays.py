@@ -208,6 +208,19 @@ def check_cluster_limits(num_jobs: int) -> slurm_query.ClusterLimits:
     return limits
 
 
+def check_local_window(num_points: int, array_parallelism: int) -> None:
+    """Local jobs have no queue: whatever a sweep that does not wait submits starts at once, so
+    only a blocking local sweep can keep to array_parallelism (run_local_window). One that would
+    run more points at once than that is refused before anything starts (it ran them all)."""
+    if num_points > array_parallelism:
+        raise SweepError(
+            f"{num_points} local jobs with hydra.launcher.array_parallelism={array_parallelism} and "
+            f"hydra.launcher.wait=false: this machine has no queue to hold the rest, so all "
+            f"{num_points} would run at once; nothing was started (try hydra.launcher.wait=true, "
+            f"which runs at most {array_parallelism} at a time, or "
+            f"hydra.launcher.array_parallelism={num_points} to run them all at once)")
+
+
 def array_chunks(num_points: int, max_array_size: int | None) -> list[range]:
     """Consecutive slices of a group's points, one array each: at most ``max_array_size`` points
     (array indices run 0..MaxArraySize-1), as few arrays as that allows."""

@@ -37,6 +37,7 @@ from orchestrator.sweeps.arrays import (
     SweepError,
     array_chunks,
     check_cluster_limits,
+    check_local_window,
     check_partitions,
     check_sweep_dir,
     group_points,
@@ -108,10 +109,12 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
         check_partitions(points)
         check_cluster_limits(len(points))
     _warn_ignored_resources(settings, points)
+    wait = settings.wait if settings.wait is not None else _app_wait(points)
+    if settings.executor == "local" and not wait:
+        check_local_window(len(points), settings.array_parallelism)
     take_snapshots(points)
     origin = provenance.origin()
     diff = provenance.write_diff(sweep_dir, origin)  # once per submission, named by every point
-    wait = settings.wait if settings.wait is not None else _app_wait(points)
     try:
         with Registry(settings.registry) as registry, damage_reported(registry.path):
             if state.sweep_id is None:  # Hydra's later batches of the same sweep join it

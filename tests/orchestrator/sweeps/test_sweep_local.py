@@ -107,10 +107,23 @@ def test_a_failing_point_fails_the_blocking_sweep_with_its_own_error(tmp_path: P
     assert jobs[1]["error"] == "ValueError: x=2 was told to fail"
 
 
+def test_a_non_blocking_local_sweep_over_its_array_parallelism_is_refused_before_anything_runs(
+        tmp_path: Path) -> None:
+    """Local jobs have no queue: with array_parallelism=1 a non-blocking sweep of 3 ran all 3 at
+    once (issue 27). A blocking one keeps to it; one that does not wait is refused."""
+    write_app(tmp_path)
+    proc = run_app(tmp_path, "x=1,2,3", "hydra.launcher.wait=false", "hydra.launcher.array_parallelism=1")
+    assert proc.returncode != 0, proc.stdout
+    assert "3 local jobs with hydra.launcher.array_parallelism=1 and hydra.launcher.wait=false" in proc.stderr
+    assert "nothing was started (try hydra.launcher.wait=true" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "registry.db").exists() and list((tmp_path / "out").glob("ran-*")) == []
+
+
 def test_non_blocking_local_sweep_then_resubmit_only_the_failed_point(tmp_path: Path) -> None:
     write_app(tmp_path)
     (tmp_path / "out" / "fail-2").touch()
-    proc = run_app(tmp_path, "x=1,2,3", "hydra.launcher.wait=false")
+    proc = run_app(tmp_path, "x=1,2,3", "hydra.launcher.wait=false", "hydra.launcher.array_parallelism=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sweep_id: 1" in proc.stdout and "switchyard status 1" in proc.stdout
     status = wait_until_ended(tmp_path, "1")
@@ -153,7 +166,8 @@ def test_cancel_stops_local_jobs_even_when_they_ignore_sigterm(tmp_path: Path) -
     write_app(tmp_path)
     # run_app captures the output through pipes: it returns only because the controllers
     # write to their own log, not to the pipes (they used to hold them open until the jobs ended).
-    proc = run_app(tmp_path, "x=1,2", "sleep_s=600", "hydra.launcher.wait=false")
+    proc = run_app(tmp_path, "x=1,2", "sleep_s=600", "hydra.launcher.wait=false",
+                   "hydra.launcher.array_parallelism=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "multirun" / ".submitit" / "local-controllers.log").exists()
     deadline = time.monotonic() + 120
