@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.config": set(),
     "orchestrator.atomic": set(),
     "orchestrator.terminal": set(),
+    "orchestrator.quick_exit": set(),
     "orchestrator.localcluster": set(),
     "orchestrator.launch": BASE,
     "orchestrator.telemetry": BASE,
