@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,3 +134,30 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert found is not None and found.step == 10 and found.verified
     checkpoint.save(tmp_path, 30, {"step": 30}, keep_last=3)  # the next run's first save
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_stop_during_a_background_save_waits_for_it_then_saves_its_own_step(
+        rank: runtime.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preemption signal arrives while step 10's save is still being written: the blocking save
+    of the stop (step 12) returns only once both are on disk, whole, step 12 the newest."""
+    model, optimizer = model_and_optimizer()
+    background = saver(rank, tmp_path, async_save=True)
+    real_save, released = checkpoint.save, threading.Event()
+    writing = []
+
+    def slow_save(directory: Path, step: int, state: object, keep_last: int) -> Path:
+        writing.append(step)
+        if step == 10:
+            released.wait(30)  # still writing when the stop's save begins
+        return real_save(directory, step, state, keep_last)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    background.save(10, model, optimizer, train_state(10), blocking=False)
+    assert not checkpoint.listed(tmp_path), "the first save runs in the background"
+    released.set()
+    background.save(12, model, optimizer, train_state(12), blocking=True)
+    assert writing == [10, 12]
+    assert [step for step, _ in checkpoint.listed(tmp_path)] == [12, 10]
+    found = checkpoint.load_latest(tmp_path)
+    assert found is not None and found.step == 12 and found.verified
+    assert background.pending is None and background.stats.saves == 2
