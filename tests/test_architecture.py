@@ -124,7 +124,8 @@ def test_a_forbidden_import_is_caught(tmp_path: Path, where: str, source: str, e
 def module_graph(root: Path) -> dict[str, set[str]]:
     """Each first-party module -> the first-party modules it imports (a package's ``__init__``
     counts as the package; ``from pkg import name`` counts as ``pkg.name`` where that is a module)."""
-    paths = {module_name(path, root): path for top in FIRST_PARTY for path in sorted((root / top).rglob("*.py"))}
+    paths = {module_name(path, root): path
+             for top in FIRST_PARTY for path in sorted((root / top).rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         tree = ast.parse(path.read_text(), filename=str(path))
