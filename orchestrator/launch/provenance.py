@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import atomic
-from orchestrator.config import ClusterConfig
+from orchestrator.config import ClusterConfig, SnapshotConfig
 from orchestrator.launch import snapshot
 
 PROVENANCE_FILE = "provenance.json"
@@ -93,26 +93,26 @@ def imported_names(text: str) -> set[str]:
     return names
 
 
-def user_files(cluster: ClusterConfig, targets: Sequence[str], scripts: Sequence[Path] = ()
+def user_files(config: SnapshotConfig, targets: Sequence[str], scripts: Sequence[Path] = ()
                ) -> Iterable[Path]:
     """The user's own Python files: the target modules, ``cluster.snapshot.include`` and the
     scripts a command runs; what a snapshot excludes is skipped here too."""
     sources = [s for s in map(snapshot.module_source, targets) if s is not None]
     with contextlib.suppress(snapshot.SnapshotError):  # a missing include is refused by the snapshot
-        sources += snapshot.include_sources(cluster.snapshot.include)
+        sources += snapshot.include_sources(config.include)
     sources += [snapshot.Source(path, path.name) for path in scripts if path.is_file()]
     for source in sources:
-        files = snapshot.walk(source, cluster.snapshot.exclude)
+        files = snapshot.walk(source, config.exclude)
         yield from (file for _, file in files if file.suffix == ".py")
 
 
-def user_packages(cluster: ClusterConfig, targets: Sequence[str], scripts: Sequence[Path] = ()
+def user_packages(config: SnapshotConfig, targets: Sequence[str], scripts: Sequence[Path] = ()
                   ) -> dict[str, str]:
     """Distribution -> version of what the user's code imports that is installed (a target that
     is itself installed, ``timm.models.X``, counts too): the standard library, Switchyard and the
     user's own modules are left out, and so are names installed by no distribution."""
     names = {target.split(".", 1)[0] for target in targets}
-    for file in user_files(cluster, targets, scripts):
+    for file in user_files(config, targets, scripts):
         with contextlib.suppress(OSError):
             names |= imported_names(file.read_text(errors="replace"))
     names -= {*sys.stdlib_module_names, *snapshot.OWN_PACKAGES, "__future__"}
@@ -301,6 +301,6 @@ def at_submission(cluster: ClusterConfig, targets: Sequence[str], run_dir: Path,
     snapshot, the rest is recorded. ``scripts``: the Python files a command runs."""
     take = cluster.mode == "slurm" and cluster.snapshot.enabled
     snap = snapshot.take(cluster.snapshot, targets) if take else None
-    found = origin(packages=user_packages(cluster, targets, scripts))
+    found = origin(packages=user_packages(cluster.snapshot, targets, scripts))
     record(run_dir, snap, config_text, found, write_diff(run_dir, found))
     return snap

@@ -51,6 +51,7 @@ from orchestrator.sweeps.points import (
     install_composition_cache,
     prepare_point,
     take_snapshots,
+    user_packages,
     write_entry,
     write_point,
 )
@@ -113,7 +114,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     if settings.executor == "local" and not wait:
         check_local_window(len(points), settings.array_parallelism)
     take_snapshots(points)
-    origin = provenance.origin()
+    origin = provenance.origin(packages=user_packages(points, task_function))
     diff = provenance.write_diff(sweep_dir, origin)  # once per submission, named by every point
     try:
         with Registry(settings.registry) as registry, damage_reported(registry.path):

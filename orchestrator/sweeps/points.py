@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -183,6 +184,17 @@ def take_snapshots(points: Sequence[Point]) -> None:
         p.code = taken[key]
         setup = [*snapshot.setup_lines(p.code), *p.resources.params.get("setup", [])]
         p.resources = replace(p.resources, params={**p.resources.params, "setup": setup})
+
+
+def user_packages(points: Sequence[Point], task_function: Callable[..., Any]) -> dict[str, str]:
+    """The installed packages the sweep's own code imports (``provenance.user_packages``): the
+    points' model and task targets, and the app's own script (its task function's file)."""
+    targets = sorted({t for p in points for t in snapshot.targets(p.task_cfg)})
+    try:
+        scripts = [Path(inspect.getfile(task_function))]
+    except TypeError:  # a built-in or a callable object: no file of its own
+        scripts = []
+    return provenance.user_packages(snapshot_config(points[0].task_cfg), targets, scripts)
 
 
 def snapshot_config(task_cfg: DictConfig) -> SnapshotConfig:

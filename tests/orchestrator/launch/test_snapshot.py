@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ClusterConfig, ConfigError, SnapshotConfig
+from orchestrator.config import ConfigError, SnapshotConfig
 from orchestrator.launch import provenance, snapshot
 
 
@@ -181,8 +181,7 @@ def test_provenance_records_the_installed_packages_the_users_code_imports(tmp_pa
     extra = tmp_path / "extra"
     extra.mkdir()
     (extra / "tools.py").write_text("    import hypothesis.strategies  # indented: inside a function\n")
-    cluster = ClusterConfig(snapshot=config(tmp_path, include=[str(extra)]))
-    found = provenance.user_packages(cluster, ["snap_user_pkg.models.Net"])
+    found = provenance.user_packages(config(tmp_path, include=[str(extra)]), ["snap_user_pkg.models.Net"])
     assert found == {"numpy": importlib.metadata.version("numpy"),
                      "PyYAML": importlib.metadata.version("PyYAML"),
                      "hypothesis": importlib.metadata.version("hypothesis")}

@@ -3,6 +3,7 @@ a real Hydra app in a subprocess, the registry, and the `switchyard` commands.""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -79,6 +80,9 @@ def test_each_jobs_provenance_is_kept_in_the_registry_and_shown_without_its_run_
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "multirun" / "1"
     written = json.loads((run_dir / "provenance.json").read_text())
+    # the probe app's own imports (hydra, omegaconf), from its script: the task function's file
+    assert written["packages"] == {"hydra-core": importlib.metadata.version("hydra-core"),
+                                   "omegaconf": importlib.metadata.version("omegaconf")}
     (run_dir / "provenance.json").unlink()  # what show prints now comes from the registry alone
     shown = switchyard(tmp_path, "show", "1/1", "--json")
     assert shown.returncode == 0, shown.stderr
