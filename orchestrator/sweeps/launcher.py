@@ -227,8 +227,9 @@ def submitted_return(item: Launched[Point], sweep_id: int) -> JobReturn:
 
 
 def outcome(item: Launched[Point]) -> JobReturn:
-    """Blocking: rank 0's JobReturn; for a failure, the task's own exception when it got to
-    report one, else a JobFailedError naming the rank, node and log tail."""
+    """Blocking: rank 0's JobReturn; for a failure, the task's own exception when rank 0 failed
+    first and got to report one, else a JobFailedError naming the rank that failed first, its node
+    and log tail (as a single job's report does)."""
     import cloudpickle
     from hydra.core.utils import JobStatus
 
@@ -238,7 +239,9 @@ def outcome(item: Launched[Point]) -> JobReturn:
         return cast("JobReturn", submit.results(item.job, item.point.run_dir)[0])
     except submit.JobFailedError as e:
         saved = result_path(item.point.run_dir, str(item.job.job_id))
-        if saved.exists():
+        # Rank 0's own JobReturn only when rank 0 failed first: after another rank's failure it
+        # holds the consequence ("Connection closed by peer"), while the report names the cause.
+        if e.failed_ranks[:1] == [0] and saved.exists():
             try:
                 return cast("JobReturn", cloudpickle.loads(saved.read_bytes()))
             except Exception:  # the exception's class cannot be rebuilt here: report the logs
