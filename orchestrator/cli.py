@@ -101,6 +101,10 @@ def _sweeps(args: argparse.Namespace) -> int:
             return status.cmd_show(reg, args.job, args.json)
         if args.command == "cancel":
             return status.cmd_cancel(reg, args.target, args.json, grace_s=args.grace)
+        if args.command == "snapshots":
+            from orchestrator.sweeps import prune
+
+            return prune.cmd_prune(reg, args.store, args.older_than_days, args.dry_run, args.json)
         return status.cmd_resubmit(reg, args.target, args.failed, args.json)
 
 
@@ -134,7 +138,16 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                        help="submit a sweep's failed, timed-out and cancelled jobs again, as a new array")
     p.add_argument("target", metavar="SWEEP")
     p.add_argument("--failed", action="store_true", help="the jobs whose latest attempt did not complete")
-    for name in ("status", "logs", "show", "cancel", "resubmit"):
+    p = sub.add_parser("snapshots", parents=[common, scripted],
+                       help="the code snapshot store: prune removes the snapshots no job still needs")
+    p.add_argument("action", choices=["prune"])
+    p.add_argument("--older-than-days", type=float, default=30.0, metavar="DAYS",
+                   help="keep the snapshots of sweeps from the last DAYS days, and any taken or reused "
+                        "since; jobs not yet ended keep theirs however old (default %(default)g)")
+    p.add_argument("--store", default=None,
+                   help="the store (default: cluster.snapshot.dir's, ~/.cache/switchyard/snapshots)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    for name in ("status", "logs", "show", "cancel", "resubmit", "snapshots"):
         sub.choices[name].set_defaults(func=_sweeps)
 
 

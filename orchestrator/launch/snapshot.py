@@ -16,6 +16,7 @@ a directory named by a hash is always complete.
 from __future__ import annotations
 
 import compileall
+import contextlib
 import fnmatch
 import hashlib
 import importlib.util
@@ -26,7 +27,8 @@ import shlex
 import shutil
 import sysconfig
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -204,6 +206,8 @@ def take(config: SnapshotConfig, targets: Sequence[str] = ()) -> Snapshot:
     store = store_dir(config)
     final = store / digest
     if final.is_dir():
+        with contextlib.suppress(OSError):  # a read-only shared store: prune keeps it by its jobs
+            os.utime(final)  # reused now: `switchyard snapshots prune` counts its age from here
         return Snapshot(digest, final, hashes, created=False)
     store.mkdir(parents=True, exist_ok=True)
     created = _publish(store, final, files, hashes)
@@ -245,6 +249,30 @@ def compile_bytecode(root: Path) -> None:
     it is imported, as it would from the working tree."""
     compileall.compile_dir(root, quiet=2, workers=1,
                            invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+
+
+def prune(store: Path, keep: Collection[str], older_than_s: float, dry_run: bool = False,
+          now: float | None = None) -> list[Path]:
+    """Remove the store's snapshots that are not in ``keep`` (hashes) and were neither taken nor
+    reused for ``older_than_s``, and the temporary copies of submissions that died that long ago;
+    returns what was (``dry_run``: would be) removed. Anything else in the store is left alone.
+    A snapshot is renamed away from its hash before it is deleted, so no job ever finds a
+    half-deleted one under its name."""
+    cutoff = (time.time() if now is None else now) - older_than_s
+    removed = []
+    for entry in sorted(store.iterdir()) if store.is_dir() else []:
+        is_snapshot = len(entry.name) == 64 and all(c in "0123456789abcdef" for c in entry.name)
+        ours = is_snapshot or entry.name.startswith(_TMP_PREFIX)
+        if entry.is_symlink() or not entry.is_dir() or not ours:
+            continue
+        if (is_snapshot and entry.name in keep) or entry.stat().st_mtime > cutoff:
+            continue
+        removed.append(entry)
+        if not dry_run:
+            doomed = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}pruned-{entry.name[:12]}-", dir=store))
+            os.replace(entry, doomed)  # onto the empty directory: atomic, the hash name is gone
+            shutil.rmtree(doomed, ignore_errors=True)
+    return removed
 
 
 def read_manifest(path: Path) -> dict[str, str] | None:

@@ -498,6 +498,26 @@ class Registry:
                                (sweep_id, num)).fetchone()
         return json.loads(row[0]) if row else None
 
+    def snapshots_in_use(self, since: float) -> tuple[set[str], list[str]]:
+        """What ``switchyard snapshots prune`` must keep: the snapshot hashes recorded for jobs not
+        yet ended and for every job of a sweep created at or after ``since`` (a failed one may be
+        resubmitted, and resumes under its own snapshot), and the run directories of such jobs that
+        have no record here (submitted before the registry kept provenance)."""
+        ended = ",".join("?" * len(TERMINAL_STATES))
+        live = (f"EXISTS (SELECT 1 FROM attempts a WHERE a.sweep_id = j.sweep_id AND a.num = j.num "
+                f"AND a.state NOT IN ({ended}))")
+        rows = self._db.execute(
+            f"SELECT j.run_dir, p.record FROM jobs j JOIN sweeps s ON s.id = j.sweep_id "
+            f"LEFT JOIN provenance p ON p.sweep_id = j.sweep_id AND p.num = j.num "
+            f"WHERE s.created_at >= ? OR {live}", [since, *sorted(TERMINAL_STATES)])
+        hashes, unrecorded = set(), []
+        for run_dir, record in rows:
+            if record is None:
+                unrecorded.append(run_dir)
+            elif isinstance(snap := json.loads(record).get("snapshot"), dict):
+                hashes.add(str(snap.get("hash")))
+        return hashes, unrecorded
+
     def keep_results(self, results: Iterable[tuple[Attempt, Result]]) -> None:
         """Keep what ended attempts left, each only if its attempt is still as it was read (an
         attempt that changed since, a requeue, would otherwise get its previous life's result)."""
