@@ -474,7 +474,7 @@ def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]],
        ranks that then lose their connection to it raise errors that only describe the loss;
     2. a rank that raised an error of its own (not a lost peer);
     3. the first rank srun saw exit with an error;
-    4. ranks that left no result at all.
+    4. ranks that left no result at all: those whose log does not end in a lost peer, if any.
     """
     by_rank = {o.rank: o for o in outcomes}
     named = [by_rank[r] for r in hung if r in by_rank]
@@ -485,7 +485,10 @@ def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]],
     for candidates in (named, signalled, own_errors, first_exit, raised):
         if candidates:
             return list(dict.fromkeys(candidates))  # unique, order kept
-    return [o for o in outcomes if o.no_output is not None]
+    silent = [o for o in outcomes if o.no_output is not None]
+    # A sweep point's ranks that exited (a command's exit status) leave no result, only logs: a
+    # rank whose log ends in a lost peer is the consequence of one whose log does not.
+    return [o for o in silent if not _PEER_LOST.search(o.no_output or "")] or silent
 
 
 def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],

@@ -45,3 +45,31 @@ def test_a_blocking_sweep_names_the_rank_that_failed_first(tmp_path: Path) -> No
     culprit = next(line for line in error.splitlines() if line.startswith("rank "))
     assert culprit.startswith("rank 1 on node "), error
     assert "ValueError: rank 1 diverged at step 3" in error
+
+
+RANK_1_RAISES = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("rank 1 diverged at step 7")
+dist.barrier()
+"""
+
+
+def test_a_command_sweep_names_the_rank_whose_log_is_not_a_lost_peer(tmp_path: Path) -> None:
+    """`switchyard run -m`: each rank's command exits, so no rank leaves a result, only its log;
+    rank 0's log ends in "Connection closed by peer" and was named first."""
+    (tmp_path / "train.py").write_text(RANK_1_RAISES)
+    env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", "-m", "cluster=local",
+         "parallelism.procs_per_node=2", "+x=1", f"hydra.sweep.dir={tmp_path / 'sweep'}", "--",
+         sys.executable, str(tmp_path / "train.py")],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "JobFailedError: " in proc.stderr, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.rindex("JobFailedError: "):]
+    culprits = [line for line in error.splitlines() if line.startswith("rank ")]
+    assert len(culprits) == 1 and culprits[0].startswith("rank 1 on node "), error
+    assert "ValueError: rank 1 diverged at step 7" in error
