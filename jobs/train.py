@@ -50,7 +50,7 @@ from orchestrator.launch import (
 from orchestrator.quick_exit import exit_now
 from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
-from orchestrator.training import checks, estimate, trainer
+from orchestrator.training import checks, estimate, resume, trainer
 from orchestrator.training.checkpoint import CheckpointError
 
 register_configs()
@@ -94,11 +94,13 @@ def data_paths(cfg: TrainConfig, generate: bool = False) -> trainer.DataPaths:
                              eval=str(evaluation_path) if evaluation_path else None)
 
 
-def check_before_submit(cfg: TrainConfig) -> tuple[trainer.DataPaths, estimate.MemoryReport | None]:
+def check_before_submit(cfg: TrainConfig, run_dir: Path | None = None
+                        ) -> tuple[trainer.DataPaths, estimate.MemoryReport | None]:
     """Everything that can fail on the nodes and can be known here (``training.checks``), after
-    the demo dataset is generated if it is the one trained on; and the step's memory estimate."""
+    the demo dataset is generated if it is the one trained on; and the step's memory estimate.
+    ``run_dir``: the resume its ranks would make is checked too."""
     paths = data_paths(cfg, generate=True)
-    return paths, checks.check_before_submit(cfg, paths)
+    return paths, checks.check_before_submit(cfg, paths, run_dir)
 
 
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
@@ -121,8 +123,9 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
         return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
     print(f"run_dir: {run_dir}", flush=True)
     cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
-    paths, memory = check_before_submit(cfg)
     run_lock.check_free(run_dir)
+    run_lock.check_free(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")
+    paths, memory = check_before_submit(cfg, run_dir)
     code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
     if cfg.cluster.dry_run:
@@ -152,7 +155,7 @@ def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, expl
         with trainer.before_rendezvous(launch, run_dir):
             cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
                 cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
-            paths, memory = check_before_submit(cfg)
+            paths, memory = check_before_submit(cfg, run_dir)
             if memory is not None:
                 print(memory.line(), flush=True)
                 estimate.write_report(run_dir, memory)

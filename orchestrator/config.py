@@ -620,6 +620,10 @@ class CheckpointConfig:
     # A resume under other code than the checkpoint was written with is refused; true lets it go
     # on (an intended fix), and the change is recorded in summary.json.
     allow_code_change: bool = False
+    # Start from another run's checkpoint: a step-N.pt / step-N.dcp, or a checkpoint directory (its
+    # newest good one). Without it a run resumes only checkpoints it wrote itself; once it has its
+    # own, a requeue continues from those (orchestrator/training/resume.py).
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:

@@ -242,12 +242,19 @@ def lines(data: dict[str, Any]) -> list[str]:
 
 def for_checkpoint(run_dir: str | Path | None = None) -> dict[str, Any]:
     """The provenance a checkpoint records: the snapshot this rank imports from, torch's version,
-    and this rank's versions of the user's packages named at submission (``RUN/provenance.json``
-    of ``run_dir``)."""
+    this rank's versions of the user's packages named at submission (``RUN/provenance.json``
+    of ``run_dir``), and the run that wrote it (``run_id``: another run resumes it only when told
+    to, ``orchestrator.training.resume``)."""
     snap = snapshot.current()
     named = (read(run_dir) or {}).get("packages") or {} if run_dir is not None else {}
     return {"code_hash": snap.hash if snap else None, "snapshot": str(snap.path) if snap else None,
-            "torch": versions()["torch"], "packages": package_versions(sorted(named))}
+            "torch": versions()["torch"], "packages": package_versions(sorted(named)),
+            "run_dir": run_id(run_dir) if run_dir is not None else None}
+
+
+def run_id(run_dir: str | Path) -> str:
+    """The run a checkpoint belongs to: its run directory, as every node of the run names it."""
+    return str(Path(run_dir).resolve())
 
 
 def resume_change(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any] | None:

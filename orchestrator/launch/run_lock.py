@@ -8,6 +8,10 @@ lock when its process dies (a crash, SIGKILL, a node gone), so a requeue or a re
 the directory takes it again without cleanup. The submitting side asks first (``check_free``),
 so the usual case is refused before anything is queued.
 
+The checkpoint directory (``checkpoint.dir``, when it is not the run directory's own) is held the
+same way: two runs given one ``checkpoint.dir`` would otherwise publish, prune and resume each
+other's checkpoints.
+
 flock works across the nodes of a shared file system that supports it (NFSv4, Lustre mounted with
 ``flock``, GPFS); on one that does not, the lock only sees processes of the same node.
 """
@@ -30,12 +34,13 @@ class RunDirInUseError(ConfigError):
 
 
 @contextlib.contextmanager
-def hold(run_dir: Path, owner: str) -> Iterator[None]:
-    """Hold the run directory's lock (``owner`` says who, for the other run's error)."""
+def hold(run_dir: Path, owner: str, key: str = "hydra.run.dir") -> Iterator[None]:
+    """Hold the directory's lock (``owner`` says who, for the other run's error; ``key`` is the
+    config key that named the directory)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _lock_or_explain(fd, run_dir)
+        _lock_or_explain(fd, run_dir, key)
         os.ftruncate(fd, 0)
         os.pwrite(fd, owner.encode(), 0)
         yield
@@ -43,7 +48,7 @@ def hold(run_dir: Path, owner: str) -> Iterator[None]:
         os.close(fd)  # closing the last descriptor releases the lock
 
 
-def check_free(run_dir: Path) -> None:
+def check_free(run_dir: Path, key: str = "hydra.run.dir") -> None:
     """Refuse now if a live run holds ``run_dir``; takes nothing and creates nothing."""
     path = run_dir / LOCK_NAME
     try:
@@ -51,17 +56,25 @@ def check_free(run_dir: Path) -> None:
     except OSError:
         return  # no lock file: no run ever held it
     try:
-        _lock_or_explain(fd, run_dir, shared=True)
+        _lock_or_explain(fd, run_dir, key, shared=True)
     finally:
         os.close(fd)
 
 
-def _lock_or_explain(fd: int, run_dir: Path, shared: bool = False) -> None:
+_FIX = {
+    "hydra.run.dir": "overwrite each other's checkpoints and metrics (try hydra.run.dir=<a new "
+                     "directory>, or wait until that run ends to resume it)",
+    "checkpoint.dir": "publish, prune and resume each other's checkpoints (try checkpoint.dir=<a new "
+                      "directory>; to start from that run's checkpoints, checkpoint.resume_from=<its "
+                      "checkpoint.dir> once it has ended)",
+}
+
+
+def _lock_or_explain(fd: int, run_dir: Path, key: str, shared: bool = False) -> None:
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another run"
         raise RunDirInUseError(
-            f"hydra.run.dir={str(run_dir)!r} is in use by {holder}: two runs in one directory would "
-            f"overwrite each other's checkpoints and metrics (try hydra.run.dir=<a new directory>, "
-            f"or wait until that run ends to resume it)") from None
+            f"{key}={str(run_dir)!r} is in use by {holder}: two runs in one directory would "
+            f"{_FIX[key]}") from None

@@ -141,10 +141,19 @@ def load_path(path: Path) -> Found:
     return Found(path=path, step=int(state["step"]), state=state, skipped=())
 
 
-def load_latest(directory: Path) -> Found | None:
-    """The newest readable checkpoint (on the CPU); unreadable newer ones are reported, not fatal."""
+def candidates(source: Path) -> list[Path]:
+    """What a resume may load from ``source``, newest first: a directory's checkpoints, or the one
+    checkpoint it names (``checkpoint.resume_from=.../step-N.pt``)."""
+    if _NAME.match(source.name) and source.exists():
+        return [source]
+    return [path for _, path in listed(source)]
+
+
+def load_latest(directory: Path, paths: list[Path] | None = None) -> Found | None:
+    """The newest readable checkpoint of ``directory`` (or of ``paths``, newest first, when given),
+    on the CPU; unreadable newer ones are reported, not fatal."""
     skipped = []
-    for step, path in listed(directory):
+    for path in [p for _, p in listed(directory)] if paths is None else paths:
         if path.is_dir():  # a sharded checkpoint: the trainer refused the mismatch before
             continue
         try:
@@ -156,7 +165,8 @@ def load_latest(directory: Path) -> Found | None:
         if not isinstance(state, dict) or "step" not in state:
             skipped.append(f"{path.name}: not a Switchyard checkpoint")
             continue
-        return Found(path=path, step=step, state=state, skipped=tuple(skipped), verified=verified)
+        return Found(path=path, step=int(state["step"]), state=state, skipped=tuple(skipped),
+                     verified=verified)
     if skipped:
         raise CheckpointError(f"no readable checkpoint in {directory}: " + "; ".join(skipped))
     return None

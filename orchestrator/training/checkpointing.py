@@ -97,10 +97,11 @@ class Checkpointer:
         self.stats.save_s += seconds
         self.stats.save_s_per_save.append(seconds)
 
-    def find(self) -> Found | None:
-        """The newest good checkpoint of ``directory`` (skipping damaged ones, with why), the same
-        on every rank; a checkpoint of the other strategy is refused, naming both."""
-        listed = runtime.broadcast(self.rt, [str(p) for _, p in checkpoint.listed(self.directory)]
+    def find(self, source: Path | None = None) -> Found | None:
+        """The newest good checkpoint of ``directory``, or of ``source`` (``checkpoint.resume_from``:
+        a checkpoint, or a directory of them), skipping damaged ones (with why), the same on every
+        rank; a checkpoint of the other strategy is refused, naming both."""
+        listed = runtime.broadcast(self.rt, [str(p) for p in checkpoint.candidates(source or self.directory)]
                                    if self.rt.is_main else None)
         if not listed:
             return None
@@ -153,7 +154,7 @@ class SingleFile(Checkpointer):
         self.stats.blocking_s += time.perf_counter() - started
 
     def _find(self, listed: list[Path]) -> Found | None:
-        found = checkpoint.load_latest(self.directory) if self.rt.is_main else None
+        found = checkpoint.load_latest(listed[0].parent, listed) if self.rt.is_main else None
         chosen = runtime.broadcast(self.rt, str(found.path) if found else None)
         if chosen is None:
             return None

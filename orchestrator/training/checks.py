@@ -16,7 +16,7 @@ from torch import nn
 
 from orchestrator.config import ConfigError, ParallelismConfig, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
-from orchestrator.training import estimate, run_log, strategy
+from orchestrator.training import estimate, resume, run_log, strategy
 from orchestrator.training.tasks import Batch, Task, build_task
 from orchestrator.training.trainer import DataPaths, build_model
 from sharding import DatasetError, ShardedDataset, open_dataset
@@ -27,9 +27,11 @@ from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 CPU_EXAMPLE_MAX_PARAMETERS = 50_000_000
 
 
-def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> estimate.MemoryReport | None:
+def check_before_submit(cfg: TrainConfig, paths: DataPaths, run_dir: Path | None = None
+                        ) -> estimate.MemoryReport | None:
     """Raises ConfigError on the first problem; returns the memory estimate (None when
-    ``memory.estimate=off``), which has refused a step too large for the GPU already."""
+    ``memory.estimate=off``), which has refused a step too large for the GPU already. With the
+    run directory, the resume the ranks would make (``resume.check_before_submit``)."""
     task = build_task(cfg.task, cfg.data)
     train = open_checked("data.path", paths.train)
     task.setup(train)
@@ -39,6 +41,9 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths) -> estimate.MemoryRe
     check_sampling(cfg, task, train)
     if cfg.checkpoint.dir:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
+    if run_dir is not None:
+        current = resume.compatibility(cfg, task.model_kwargs(train), train.fingerprint)
+        resume.check_before_submit(cfg, run_dir, current)
     if cfg.cluster.mode != "slurm" and task.source(train) is None:  # this machine's /dev/shm is theirs
         check_worker_memory(paths, cfg)
     run_log.check_available(cfg.logger)

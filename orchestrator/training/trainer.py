@@ -43,7 +43,16 @@ from orchestrator.telemetry.files import (
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 from orchestrator.telemetry.summary import summarize
-from orchestrator.training import checkpoint, checkpointing, estimate, preemption, runtime, startup, strategy
+from orchestrator.training import (
+    checkpoint,
+    checkpointing,
+    estimate,
+    preemption,
+    resume,
+    runtime,
+    startup,
+    strategy,
+)
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.microbatch import AutoMicroBatch
 from orchestrator.training.run_log import RunLog, flatten
@@ -278,40 +287,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def compatibility(cfg: TrainConfig, dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it (shapes, not step counts)."""
-    return {"model": group_dict(cfg.model), **dataset_kwargs, "task": group_dict(cfg.task),
-            "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16",
-            "strategy": cfg.parallelism.strategy}
-
-
-# What a checkpoint written before a key existed had: a Switchyard without fsdp wrote ddp's.
-_COMPAT_BEFORE = {"strategy": "ddp", "task": {"_target_": "orchestrator.training.tasks.classify.Classify"}}
-
-
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    changed = [f"{k}: checkpoint {saved.get(k, _COMPAT_BEFORE.get(k))!r}, now {v!r}"
-               for k, v in current.items() if saved.get(k, _COMPAT_BEFORE.get(k)) != v]
-    if changed:
-        raise checkpoint.CheckpointError(
-            f"cannot resume from {path}: the config changed in ways the checkpoint cannot follow:\n  "
-            + "\n  ".join(changed) + "\nUse a new run directory (or checkpoint.dir) for a different "
-            "model; harmless changes such as optim.max_steps are allowed.")
-
-
-def check_code(saved: dict[str, Any] | None, path: Path, allow: bool) -> dict[str, Any] | None:
-    """Refuse a resume under other code than the checkpoint was written with (``provenance``),
-    unless ``checkpoint.allow_code_change``; returns the change let through, for summary.json."""
-    change = provenance.resume_change(saved, provenance.for_checkpoint())
-    if change is None or allow:
-        return change
-    raise checkpoint.CheckpointError(
-        f"cannot resume from {path}: it was written under other code: "
-        f"{provenance.describe_change(change)}. If the change is intended, add "
-        f"checkpoint.allow_code_change=true (the change is then recorded in summary.json); otherwise "
-        f"resume under the code it was written with, or use a new run directory")
-
-
 # ------------------------------------------------------------------------------------------------
 # The rank's job
 
@@ -426,7 +401,7 @@ class Trainer:
         self.real_samples = torch.zeros((), dtype=torch.int64, device=rt.device)  # trained on; no host read
         self.units = torch.zeros((), dtype=torch.int64, device=rt.device)  # the task's: tokens for an LM
         self.batches_seen = 0
-        self.compat = compatibility(cfg, dataset_kwargs)
+        self.compat = resume.compatibility(cfg, dataset_kwargs, self.train_ds.fingerprint)
         self.stop = preemption.StopFlag()
         self.resumed_from: dict[str, Any] | None = None  # for the summary: where this run continued
         self.checkpoint_warnings: list[str] = []
@@ -632,10 +607,12 @@ class Trainer:
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "per_rank": per_rank, "compat": self.compat, "world_size": self.rt.env.world_size,
                 "micro_batch": self.micro.as_summary() if self.micro is not None else None,
-                "provenance": provenance.for_checkpoint(self.run_dir)}
+                "provenance": provenance.for_checkpoint(self.run_dir),
+                "optim": resume.optim_record(self.cfg.optim)}
 
     def restore(self) -> None:
-        """Continue from the newest readable checkpoint of this run, if there is one.
+        """Continue from the newest readable checkpoint of this run, or from
+        ``checkpoint.resume_from`` (what a resume continues from and may change: ``resume``).
 
         An unreadable newest checkpoint is reported and the previous one used; every rank loads the
         same one (the checkpointer's ``find``: under ddp rank 0 chooses and tells the others, under
@@ -643,6 +620,14 @@ class Trainer:
         """
         started = time.perf_counter()
         found = self.checkpointer.find()
+        named = resume.source(self.cfg, self.run_dir, found.path if found else None,
+                              resume.writer(found.state) if found else None)
+        if named is not None:
+            found = self.checkpointer.find(named)
+            if found is None:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint.resume_from={self.cfg.checkpoint.resume_from!r} holds no checkpoint "
+                    f"(name a step-N.pt or step-N.dcp, or a checkpoint.dir that holds them)")
         if found is None:
             return
         self.checkpoint_warnings = [f"skipped unreadable checkpoint {note}" for note in found.skipped]
@@ -652,34 +637,44 @@ class Trainer:
         for warning in self.checkpoint_warnings if self.rt.is_main else ():
             print(f"warning: {warning}", flush=True)
         state = found.state
-        check_compatible(state["compat"], self.compat, found.path)
-        code_change = check_code(state.get("provenance"), found.path, self.cfg.checkpoint.allow_code_change)
+        resume.check_compatible(state["compat"], self.compat, found.path)
+        resume.check_max_steps(int(state["step"]), self.cfg.optim, found.path)
+        code_change = resume.check_code(state.get("provenance"), found.path,
+                                        self.cfg.checkpoint.allow_code_change)
         if code_change is not None:
             self.checkpoint_warnings.append(f"resumed under other code (checkpoint.allow_code_change="
                                             f"true): {provenance.describe_change(code_change)}")
         self.checkpointer.load(found, self.model, self.optimizer)
         self.schedule.load_state_dict(state["schedule"])
+        resume.apply_optim(self.optimizer, self.schedule, self.cfg.optim)  # not the checkpoint's lr
         self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         if self.micro is not None:  # a resume starts at the micro-batch the run had come down to
             self.micro.restore(state.get("micro_batch"))
+        counts = resume.carried_counts(state["per_rank"], self.rt.env.world_size, self.rt.env.rank)
+        self.real_samples.fill_(counts.samples)
+        self.units.fill_(counts.units)
+        self.batches_seen = counts.batches
         if state["world_size"] == self.rt.env.world_size:  # the same rank keeps its own streams
             mine = state["per_rank"][self.rt.env.rank]
             set_rng_state(mine["rng"])
-            self.real_samples.fill_(int(mine["samples"]))
-            self.units.fill_(int(mine.get("units", mine["samples"])))  # older: classify only
-            self.batches_seen = int(mine["batches"])
             self.window_sums = mine.get("window")
         else:  # the window is reduced as one global sum: rank 0 carries all of the old ranks' part
             old = [r["window"] for r in state["per_rank"] if r.get("window") is not None]
             self.window_sums = [sum(column) for column in zip(*old, strict=True)] \
                 if old and self.rt.is_main else None
+        changes = resume.config_changes(state.get("optim"), self.cfg.optim)
         self.resumed_from = {"path": str(found.path), "step": self.step,
-                             "load_s": time.perf_counter() - started, "code_change": code_change}
+                             "load_s": time.perf_counter() - started, "code_change": code_change,
+                             "run_dir": resume.writer(state), "config_changes": changes,
+                             "resume_from": self.cfg.checkpoint.resume_from if named else None}
         self.saved_step = self.step
         if self.rt.is_main:
             print(f"resumed from {found.path} at step {self.step}", flush=True)
+            if changes:
+                print("changed at resume, now applied: " + ", ".join(
+                    f"{k} {old} -> {new}" for k, (old, new) in changes.items()), flush=True)
 
     def stop_for(self, reason: preemption.StopReason) -> None:
         """Checkpoint, then requeue (time limit) or leave it to SLURM (preemption), then exit."""
@@ -703,7 +698,7 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        return resume.checkpoint_dir(self.cfg, self.run_dir)
 
     def mark(self, phase: str) -> None:
         if self.pulse is not None:
@@ -844,16 +839,20 @@ def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, An
     """The function each rank runs (submitted through submitit in every mode, or in place when
     attached to the user's own srun or torchrun).
 
-    Rank 0 holds the run directory's lock for the whole run (``run_lock``). Preflight runs before
+    Rank 0 holds the run directory's lock, and the checkpoint directory's, for the whole run
+    (``run_lock``). Preflight runs before
     the process group, so a GPU-count mismatch fails in seconds instead of after the rendezvous;
     one memory sampler per node (local rank 0) runs for the whole job.
     """
     env, run = dist_env.detect(), Path(run_dir)
     with contextlib.ExitStack() as held:
         if env.is_main:
+            owner = f"job {env.job_id} (rank 0, pid {os.getpid()} on {env.hostname})"
             with before_rendezvous(env, run):
-                held.enter_context(run_lock.hold(run, f"job {env.job_id} (rank 0, pid {os.getpid()} "
-                                                      f"on {env.hostname})"))
+                held.enter_context(run_lock.hold(run, owner))
+                checkpoints = resume.checkpoint_dir(cfg, run)
+                if checkpoints.resolve() != run.resolve():
+                    held.enter_context(run_lock.hold(checkpoints, owner, "checkpoint.dir"))
         return _train_rank(cfg, paths, run, env)
 
 

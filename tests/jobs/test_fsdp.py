@@ -201,7 +201,7 @@ def test_a_preempted_fsdp_run_checkpoints_its_shards_and_continues(tmp_path: Pat
     logs = "".join(p.read_text() for p in (tmp_path / "multirun").rglob("*_0_log.out"))
     assert f"stopped by PREEMPTED at step {step}" in logs
     continued = ok(train(tmp_path, "parallelism.strategy=fsdp", f"optim.max_steps={step + 3}",
-                         f"checkpoint.dir={saved[0].parent}"))
+                         f"checkpoint.resume_from={saved[0].parent}"))  # the sweep point's
     assert f"resumed from {saved[0]} at step {step}" in continued.stdout + rank_logs(tmp_path)
     assert summary(tmp_path)["steps"] == step + 3
 

@@ -91,14 +91,18 @@ def test_a_language_model_resumes_exactly_and_on_another_world_size(tmp_path: Pa
         summary(tmp_path / "straight")["param_checksum_per_rank"]
     stopped, straight = summary(tmp_path / "stopped"), summary(tmp_path / "straight")
     assert stopped["tokens_per_rank"] == straight["tokens_per_rank"]
-    shutil.copytree(tmp_path / "stopped" / "checkpoints", tmp_path / "elastic_ckpt")
-    for late in sorted((tmp_path / "elastic_ckpt").glob("step-000000030.pt*")):
-        late.unlink()  # resume world 1 from the world-2 checkpoint at step 15
+    assert stopped["samples_per_rank"] == straight["samples_per_rank"]  # since step 0, not the resume
+    # world 1 from the world-2 checkpoint at step 15: another run's, so named
+    fifteen = tmp_path / "stopped" / "checkpoints" / "step-000000015.pt"
     elastic = ok(run(tmp_path, "elastic", *common, "optim.max_steps=30", "cluster=debug",
-                     f"checkpoint.dir={tmp_path / 'elastic_ckpt'}"))
+                     f"checkpoint.resume_from={fifteen}"))
     assert "at step 15" in elastic.stdout
     done = summary(tmp_path / "elastic")
     assert done["world_size"] == 1 and done["steps"] == 30
+    # one definition, since step 0 on either world size (they restarted at 0): the 2 ranks' first 15
+    # steps (half of the straight run's), then 15 steps of one rank's batch of 16 windows
+    assert done["samples_per_rank"] == [sum(straight["samples_per_rank"]) // 2 + 15 * 16]
+    assert done["tokens_per_rank"] == [done["samples_per_rank"][0] * 64]
 
 
 def test_a_language_model_under_fsdp_bf16_with_checkpointing_and_accumulation(

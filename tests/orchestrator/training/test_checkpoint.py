@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.training import checkpoint, trainer
+from orchestrator.training import checkpoint, resume
 
 
 def test_save_keeps_the_last_k_and_leaves_no_temp_files(tmp_path: Path) -> None:
@@ -80,5 +80,5 @@ def test_loading_maps_to_cpu(tmp_path: Path) -> None:
 def test_incompatible_model_is_refused_with_the_difference(tmp_path: Path) -> None:
     saved = {"model": {"hidden_dim": 64}, "in_features": 16}
     with pytest.raises(checkpoint.CheckpointError, match=r"model: checkpoint \{'hidden_dim': 64\}, now"):
-        trainer.check_compatible(saved, {"model": {"hidden_dim": 128}, "in_features": 16}, tmp_path)
-    trainer.check_compatible(saved, dict(saved), tmp_path)  # same shapes: fine
+        resume.check_compatible(saved, {"model": {"hidden_dim": 128}, "in_features": 16}, tmp_path)
+    resume.check_compatible(saved, dict(saved), tmp_path)  # same shapes: fine
