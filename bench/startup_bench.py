@@ -3,7 +3,8 @@ does a gloo DDP init and one all-reduce, on the local SLURM cluster (issue 30's 
 
 Each pair runs the two whole commands one after the other, alternating which goes first, so a drift
 in the machine's speed hits both; the ratio is taken pair by pair and its median reported. Both
-commands wait for their job: ``sbatch --wait`` for the bare script, ``jobs.train`` by default.
+wait for their job: the bare script's submitter asks ``squeue`` every 0.1 s until the job is gone
+(``sbatch --wait`` asks every 10 s), ``jobs.train`` as it does by default.
 
 For each ``jobs.train`` run it also reports where the seconds went:
 
@@ -60,10 +61,23 @@ def bare(work: Path) -> float:
     script = work / "bare.sbatch"
     script.write_text(BARE_SCRIPT.format(out=work, python=sys.executable, rank=rank))
     started = time.monotonic()
-    proc = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], capture_output=True, text=True)
-    seconds = time.monotonic() - started
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"the bare job failed: {proc.stdout}{proc.stderr}")
+        raise SystemExit(f"sbatch refused the bare job: {proc.stderr}")
+    job_id = proc.stdout.strip().split(";")[0]
+    # Until the controller no longer lists it, asked every 0.1 s (sbatch --wait asks every 10 s).
+    while subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                         text=True).stdout.strip():
+        time.sleep(0.1)
+    seconds = time.monotonic() - started
+    for _ in range(100):  # accounting may lag the controller by a few seconds (not timed)
+        state = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True,
+                               text=True).stdout.split()
+        if state and state[0] not in ("PENDING", "RUNNING", "COMPLETING"):
+            break
+        time.sleep(0.1)
+    if state and state[0] != "COMPLETED":
+        raise SystemExit(f"the bare job {job_id} ended {state[0]}: see {work}/{job_id}.err")
     return seconds
 
 
