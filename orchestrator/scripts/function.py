@@ -213,7 +213,7 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     ``result()``)."""
     cfg = compose(overrides)
     run = Path(run_dir or default_run_dir(fn)).absolute()
-    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run))
+    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run, announce=False))
     run_job.check_resources(cfg)
     run_lock.check_free(run)
     spec = FunctionSpec(str(run), cfg.parallelism.gpus_per_node, cfg.cluster.max_requeues,

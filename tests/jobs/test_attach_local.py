@@ -183,7 +183,7 @@ def test_a_resume_refusal_under_torchrun_is_one_line_printed_once(tmp_path: Path
     _, err = refused.communicate(timeout=300)
     assert refused.returncode != 0
     assert err.count("error: cannot resume from ") == 1, err[-3000:]
-    assert "optimizer: checkpoint 'adamw', now 'sgd'" in err
+    assert "optim.name: checkpoint 'adamw', now 'sgd'" in err
     assert "CheckpointError" not in err and "exitcode: 2" in err, "one line, exit 2, no rank's traceback"
 
 
