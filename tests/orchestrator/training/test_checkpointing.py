@@ -11,23 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from rank_helpers import one_rank
 from torch import nn
 
 from orchestrator.config import CheckpointConfig
 from orchestrator.training import checkpoint, checkpointing, runtime
 from orchestrator.training.checkpoint import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
-    with one_rank(tmp_path_factory.mktemp("pg")) as rt:
-        yield rt
 
 
 def model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

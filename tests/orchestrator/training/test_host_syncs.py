@@ -13,12 +13,11 @@ torch's design; that read touches no GPU (the counter never leaves the CPU).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rank_helpers import one_rank, write_rows_dataset
+from rank_helpers import write_rows_dataset
 from torch.overrides import TorchFunctionMode
 
 from orchestrator.config import (
@@ -53,12 +52,6 @@ class HostReads(TorchFunctionMode):
         if name in HOST_READS:
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(scope="module")
-def rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
-    with one_rank(tmp_path_factory.mktemp("pg")) as rt:
-        yield rt
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ requeue where an uninterrupted run reads 1.397371, the mean of the steps after t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rank_helpers import one_rank, write_rows_dataset
+from rank_helpers import write_rows_dataset
 
 from orchestrator.config import (
     CheckpointConfig,
@@ -22,12 +21,6 @@ from orchestrator.config import (
     TrainConfig,
 )
 from orchestrator.training import preemption, runtime, trainer
-
-
-@pytest.fixture(scope="module")
-def rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
-    with one_rank(tmp_path_factory.mktemp("pg")) as rt:
-        yield rt
 
 
 def config(dataset: str, run_dir: Path) -> TrainConfig:

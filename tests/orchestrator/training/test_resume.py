@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rank_helpers import one_rank, write_rows_dataset
+from rank_helpers import write_rows_dataset
 
 from jobs import train as train_job
 from orchestrator.config import (
@@ -29,12 +28,6 @@ from orchestrator.config import (
 from orchestrator.launch import run_lock
 from orchestrator.training import checks, resume, runtime, trainer
 from orchestrator.training.checkpoint import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
-    with one_rank(tmp_path_factory.mktemp("pg")) as rt:
-        yield rt
 
 
 @pytest.fixture(scope="module")
