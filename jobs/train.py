@@ -17,6 +17,7 @@ except ImportError as e:
 
 import dataclasses
 import json
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -183,20 +184,27 @@ def train_attached(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path, la
     """``trainer.train_rank`` as one rank of the user's own launch, its failures told as
     ``cluster=slurm`` tells them: a refusal once, in one line; a collective timeout by the
     heartbeats' verdict, naming the rank the others waited for (``attach.hang_report``). Either
-    exits 2; any other error is the rank's own and keeps its traceback."""
+    exits 2; any other error is the rank's own and keeps its traceback (exit 1).
+
+    A failed rank leaves with ``exit_now``, not the interpreter's shutdown: after a collective
+    timed out, freeing DDP's reducer at shutdown joins gloo's worker threads while holding the GIL,
+    and a worker finishing the timed-out work waits for the GIL to free its tensors, so the rank
+    never exited and the user's torchrun waited for it forever (seen once in CI, rank 0 of
+    test_a_frozen_rank_under_torchrun_is_named)."""
     try:
         return trainer.train_rank(cfg, paths, str(run_dir))
     except SAME_ON_EVERY_RANK as e:
         if launch.is_main:
             print(f"error: {printable(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_now(2)
     except Exception as e:
         told = attach.hang_report(e, run_dir, launch)
         if told is None:
-            raise
+            traceback.print_exc()
+            exit_now(1)
         if told:
             print(f"error: {printable(told)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_now(2)
 
 
 def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[str, Any]:

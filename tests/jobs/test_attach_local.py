@@ -187,6 +187,12 @@ def test_a_resume_refusal_under_torchrun_is_one_line_printed_once(tmp_path: Path
     assert "CheckpointError" not in err and "exitcode: 2" in err, "one line, exit 2, no rank's traceback"
 
 
+def waiting_pid(beats: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads((beats / "rank-0.json").read_text())["pid"])
+    return None
+
+
 def test_a_frozen_rank_under_torchrun_is_named(tmp_path: Path) -> None:
     """Issue 27: the waiting rank printed its gloo timeout as a traceback; the frozen one was
     never named. Now the heartbeats' verdict is printed, as cluster=slurm prints it."""
@@ -208,9 +214,9 @@ def test_a_frozen_rank_under_torchrun_is_named(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-        if frozen is not None:
+        for rank_pid in (p for p in (frozen, waiting_pid(beats)) if p is not None):  # outlive torchrun
             with contextlib.suppress(ProcessLookupError):
-                os.kill(frozen, signal.SIGKILL)
+                os.kill(rank_pid, signal.SIGKILL)
     report = err[err.index("error: collective timeout"):]
     assert report.startswith("error: collective timeout in torchrun: rank 1 stopped answering"), report
     assert "rank 1: stopped answering: its " in report and f"pid {frozen}" in report
