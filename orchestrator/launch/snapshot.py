@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import py_compile
+import re
 import shlex
 import shutil
 import sysconfig
@@ -42,6 +43,9 @@ MANIFEST = ".switchyard-snapshot.json"  # inside each snapshot: what it holds, f
 SNAPSHOT_ENV = "SWITCHYARD_SNAPSHOT"  # set on the nodes: the snapshot the ranks import from
 DEFAULT_STORE = Path("~/.cache/switchyard/snapshots")
 _TMP_PREFIX = ".tmp-"
+# A temporary directory as _publish and prune name them (mkdtemp's prefix, then its own suffix):
+# prune removes no other ".tmp-" entry a user may keep in a store.
+_OWN_TMP = re.compile(r"^\.tmp-(pruned-)?[0-9a-f]{12}-")
 
 
 class SnapshotError(ConfigError):
@@ -262,7 +266,7 @@ def prune(store: Path, keep: Collection[str], older_than_s: float, dry_run: bool
     removed = []
     for entry in sorted(store.iterdir()) if store.is_dir() else []:
         is_snapshot = len(entry.name) == 64 and all(c in "0123456789abcdef" for c in entry.name)
-        ours = is_snapshot or entry.name.startswith(_TMP_PREFIX)
+        ours = is_snapshot or _OWN_TMP.match(entry.name) is not None
         if entry.is_symlink() or not entry.is_dir() or not ours:
             continue
         if (is_snapshot and entry.name in keep) or entry.stat().st_mtime > cutoff:

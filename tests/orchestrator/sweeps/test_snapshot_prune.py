@@ -42,7 +42,7 @@ def job(reg: Registry, tmp_path: Path, num: int, snap: str, ended: bool, recorde
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     store = tmp_path / "store"
-    for entry in (LIVE, ENDED, LEGACY, RECENT, ".tmp-0123456789ab-dead", "notes"):
+    for entry in (LIVE, ENDED, LEGACY, RECENT, ".tmp-0123456789ab-dead", "notes", ".tmp-notes"):
         (store / entry).mkdir(parents=True)
         (store / entry / "a.py").write_text("x = 1\n")
     with Registry(tmp_path / "reg.db") as reg:
@@ -69,7 +69,7 @@ def test_prune_removes_only_what_no_job_needs_once_it_is_old(tmp_path: Path, sto
     assert text.startswith("removed 2 snapshot(s)"), text
     # kept: a job not yet ended (recorded in the registry, or only in its run directory), one taken
     # or reused recently, and what is not the store's own
-    assert sorted(p.name for p in store.iterdir()) == sorted([LIVE, LEGACY, RECENT, "notes"])
+    assert sorted(p.name for p in store.iterdir()) == sorted([LIVE, LEGACY, RECENT, "notes", ".tmp-notes"])
 
 
 def test_a_recent_sweeps_snapshots_are_kept_though_its_jobs_ended(tmp_path: Path, store: Path) -> None:
