@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first, pinned: any other torch requirement pip resolves from scratch pulls GBs of CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv run test lint typecheck pytest cluster-up cluster-down clean gpu-deps gpu-check
+.PHONY: venv run test lint typecheck docs pytest cluster-up cluster-down clean gpu-deps gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -13,7 +13,7 @@ $(PY):
 
 $(VENV)/.installed: $(PY) setup.cfg pyproject.toml
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -33,10 +33,15 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy orchestrator sharding jobs switchyard
 
+# The docs site (mkdocs.yml) into site/; --strict: a broken link or anchor, or a page missing from the
+# navigation, fails it.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck cluster-up pytest
+test: lint typecheck docs cluster-up pytest
 
 # On a GPU node: its own python with torch and numpy (no venv, no package index needed). Everything
 # else jobs.train imports comes from GPU_DEPS, filled by `make gpu-deps` wherever PyPI is reachable:

@@ -65,7 +65,7 @@ examples:
   switchyard run -m cluster=slurm +lr=1e-3,3e-3 -- python train.py --lr '${{lr}}'   a sweep
 
 A script that exits 75 (switchyard.preemption.REQUEUE_EXIT_CODE) after checkpointing is requeued;
-README: "Your own training script"."""
+docs/your-code.md: "Your own training script"."""
 
 
 def _run(argv: Sequence[str]) -> int:

@@ -299,7 +299,7 @@ SRUN_SHORT = {"n": "ntasks", "N": "nodes", "c": "cpus-per-task", "m": "distribut
               "G": "gpus", "w": "nodelist", "x": "exclude", "r": "relative", "o": "output", "e": "error",
               "i": "input", "K": "kill-on-bad-exit", "D": "chdir"}
 # Binds one of the GPUs each node already gives its tasks to each task: the same GPUs, no more
-# (README "Running on GPUs").
+# (docs/gpus.md).
 SRUN_BINDINGS = ("--gpus-per-task=1",)
 
 

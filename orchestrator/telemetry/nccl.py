@@ -110,6 +110,6 @@ def describe(found: Transports) -> str | None:
         parts.append(f"{', '.join(sorted(found.across))} across nodes")
     line = "nccl transport: " + ", ".join(parts)
     if found.within and not any(t.startswith("P2P") for t in found.within):
-        line += (" (no P2P between a node's GPUs: each rank sees only its own GPU? see the README's "
-                 "'Running on GPUs', --gpus-per-task)")
+        line += (" (no P2P between a node's GPUs: each rank sees only its own GPU? see docs/gpus.md, "
+                 "'The layout, and the transport NCCL chose', --gpus-per-task)")
     return line

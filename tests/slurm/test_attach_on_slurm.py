@@ -1,5 +1,5 @@
-"""The user's own sbatch script: srun and torchrun inside it give one job (README template, run as
-printed there), SIGTERM checkpoints and the rerun resumes exactly, and the dry run's script is the
+"""The user's own sbatch script: srun and torchrun inside it give one job (the template of docs/sbatch.md,
+run as printed there), SIGTERM checkpoints and the rerun resumes exactly, and the dry run's script is the
 one really submitted."""
 
 from __future__ import annotations
@@ -19,29 +19,29 @@ from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-README_LINE = "srun --kill-on-bad-exit=1 python -m jobs.train optim.max_steps=200"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "sbatch.md"
+TEMPLATE_LINE = "srun --kill-on-bad-exit=1 python -m jobs.train optim.max_steps=200"
 SMALL = ["data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=false"]
 # Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run.
 LONG = ["model=transformer", "optim.max_steps=120", "data.demo_num_samples=1024", "data.batch_size=32",
         "log_every_steps=1", "deterministic=true", "telemetry.enabled=false"]
 
 
-def readme_template() -> str:
-    text = README.read_text()
-    section = text[text.index("## Your own sbatch script"):]
+def documented_template() -> str:
+    text = PAGE.read_text()
+    section = text[text.index("# Your own sbatch script"):]
     script = section[section.index("```bash\n") + 8:]
     return script[:script.index("```")]
 
 
 def template_with(tmp_path: Path, *overrides: str) -> Path:
-    """The README's script, its python line pointed at this interpreter with the test's overrides."""
-    script = readme_template()
-    assert README_LINE in script, "the README template's srun line changed: update this test"
+    """The documented script, its python line pointed at this interpreter with the test's overrides."""
+    script = documented_template()
+    assert TEMPLATE_LINE in script, "the documented template's srun line changed: update this test"
     line = f"srun --kill-on-bad-exit=1 {sys.executable} -m jobs.train " + " ".join(
         [f"data.cache_dir={tmp_path / 'cache'}", *overrides])
     path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.sh')))}.sh"
-    path.write_text(script.replace(README_LINE, line))
+    path.write_text(script.replace(TEMPLATE_LINE, line))
     return path
 
 
@@ -65,7 +65,7 @@ def wait_done(job_id: str, timeout_s: float = 400) -> str:
     raise AssertionError(f"job {job_id} still queued or running after {timeout_s} s")
 
 
-def test_the_readme_template_runs_one_job_of_four_ranks(tmp_path: Path) -> None:
+def test_the_documented_template_runs_one_job_of_four_ranks(tmp_path: Path) -> None:
     """Before: 4 independent 2-rank local jobs wrote one run directory, each printing a summary."""
     with sbatch(template_with(tmp_path, "optim.max_steps=20", *SMALL), tmp_path) as job_id:
         state = wait_done(job_id)

@@ -9,7 +9,7 @@ padding entries (``is_pad``) count nowhere.
 
 The built-ins (``task=classify``, ``causal_lm``, ``regress``) go through the same door as a
 user's ``task._target_=my_pkg.MyTask``: a subclass of ``Task`` constructed as
-``MyTask(data=DataConfig, **its config keys)``. README "Your own task" has a worked example.
+``MyTask(data=DataConfig, **its config keys)``. docs/tasks.md, "Your own task", has a worked example.
 """
 
 from __future__ import annotations
