@@ -39,7 +39,6 @@ from sharding.partition import (
     PartitionError,
     Policy,
     Segment,
-    locate,
     partition,
     remaining_partition,
 )
@@ -110,7 +109,6 @@ __all__ = [
     "decode",
     "decode_array",
     "length_grouped_batches",
-    "locate",
     "make_loader",
     "open_dataset",
     "padding_fraction",

@@ -31,7 +31,7 @@ operations per entry, without the rest: a rank pays for its share plus a vectori
 term (the shard order), never a Generator per shard. An elastic resume never builds the whole
 pool: EpochRemainder counts what each old block left (O(1) per block) and replays only the old
 blocks the rank's new range touches (see its note for the one case that costs more).
-remaining_samples and split_pool are the reference path that builds the pool; tests compare.
+tests/partition_reference.py holds the reference path that builds the pool; tests compare.
 
 Locality bound (tested): a rank's real entries come from a contiguous run of the epoch's shard
 order, every shard strictly inside the run belongs wholly to that rank, so it touches at most
@@ -349,16 +349,6 @@ def _shard_order(counts: IntArray, *, epoch: int, seed: int, shuffle: bool) -> I
     return _rng(seed, epoch, _TAG_SHARD_ORDER).permutation(counts.size).astype(np.int64, copy=False)
 
 
-def epoch_order(
-    shard_counts: Sequence[int] | npt.ArrayLike, *, epoch: int, seed: int, shuffle: bool = True
-) -> IntArray:
-    """All global ids in the epoch's world-size-independent order: int64 [N]."""
-    counts = validate_shard_counts(shard_counts)
-    _check_seed_epoch(seed, epoch)
-    layout = _EpochLayout(counts, epoch=epoch, seed=seed, shuffle=shuffle)
-    return layout.take(np.arange(layout.num_samples, dtype=np.int64))
-
-
 def _block_bounds(num_items: int, world_size: int, rank: int) -> tuple[int, int]:
     """Pool positions [start, stop) of this rank's block; block sizes differ by at most one."""
     return rank * num_items // world_size, (rank + 1) * num_items // world_size
@@ -643,36 +633,6 @@ def partition(
     return remainder.partition(world_size, rank)
 
 
-def split_pool(
-    pool: npt.ArrayLike,
-    *,
-    segment: int,
-    world_size: int,
-    rank: int,
-    epoch: int,
-    seed: int,
-    policy: Policy = "pad",
-    shuffle: bool = True,
-) -> Partition:
-    """Rank's entries when `pool` (global ids in epoch order, as remaining_samples returns them)
-    is split over world_size ranks as stretch number `segment` of the epoch.
-
-    The reference path: remaining_partition gives the same entries without building the pool.
-    """
-    ids = np.asarray(pool, dtype=np.int64)  # int64 [M]
-    _check_world(world_size, rank)
-    _check_seed_epoch_policy(seed, epoch, policy)
-    start, stop = _block_bounds(ids.size, world_size, rank)
-    return _arrange_block(
-        lambda lo, hi: ids[start + lo : start + hi],
-        stop - start,
-        num_entries=entries_per_rank(ids.size, world_size, policy),
-        fallback=lambda: int(ids[min(start, ids.size - 1)]),
-        shuffle=shuffle,
-        block_key=_block_key(seed, epoch, segment, world_size, rank),
-    )
-
-
 def _check_segment(index: int, segment: Segment, num_items: int, policy: Policy) -> None:
     world_size, consumed = segment
     if not _is_int(world_size) or world_size < 1:
@@ -684,65 +644,6 @@ def _check_segment(index: int, segment: Segment, num_items: int, policy: Policy)
             f"had {available} entries each: the state was saved for other shard counts, seed "
             "or policy (resume with the same ones, or start the epoch fresh)"
         )
-
-
-def remaining_samples(
-    shard_counts: Sequence[int] | npt.ArrayLike,
-    *,
-    segments: Sequence[Segment | tuple[int, int]],
-    epoch: int,
-    seed: int,
-    policy: Policy = "pad",
-    shuffle: bool = True,
-    visit_order: VisitOrder | None = None,
-) -> IntArray:
-    """Samples of the epoch not consumed in `segments`, in epoch order: int64 [M].
-
-    The reference path: it builds the whole epoch and replays every past rank, O(N) per call;
-    remaining_partition (EpochRemainder) gives each rank its part without it.
-    Under `drop`, samples a segment left out but never visited are not consumed: they remain.
-    `visit_order`: how the ranks visited their entries, when not in partition order.
-    """
-    counts = validate_shard_counts(shard_counts)
-    _check_seed_epoch_policy(seed, epoch, policy)
-    pool = epoch_order(counts, epoch=epoch, seed=seed, shuffle=shuffle)  # int64 [N]
-    return replay_segments(pool, segments, epoch=epoch, seed=seed, policy=policy, shuffle=shuffle,
-                           visit_order=visit_order, split=split_pool)
-
-
-def replay_segments(
-    pool: IntArray,
-    segments: Sequence[Segment | tuple[int, int]],
-    *,
-    epoch: int,
-    seed: int,
-    policy: Policy,
-    shuffle: bool,
-    visit_order: VisitOrder | None,
-    split: Callable[..., Partition],
-) -> IntArray:
-    """The whole epoch order `pool` (int64 [N]) minus the real samples consumed in `segments`:
-    int64 [M], still in epoch order. Each segment's pool is cut per rank by `split` (split_pool's
-    keywords; partition_v1 passes version 1's); a rank consumed the first `consumed` entries of
-    its part, in `visit_order` when one is given."""
-    if segments:
-        _check_enough_for_drop(pool.size, int(segments[0][0]), policy)
-    taken = np.zeros(pool.size, dtype=np.bool_)  # bool [N], by global id
-    for index, pair in enumerate(segments):
-        segment = Segment(*pair)
-        _check_segment(index, segment, pool.size, policy)
-        world_size, consumed = int(segment[0]), int(segment[1])
-        if consumed == 0:
-            continue
-        for rank in range(world_size):  # loops over ranks, never samples
-            part = split(pool, segment=index, world_size=world_size, rank=rank, epoch=epoch,
-                         seed=seed, policy=policy, shuffle=shuffle)
-            if visit_order is not None:
-                part = visit_order(part, epoch, index, world_size, rank)
-                _check_visited(index, consumed, rank, len(part))
-            taken[part.indices[:consumed][~part.is_pad[:consumed]]] = True
-        pool = pool[~taken[pool]]  # int64 [M'], still in epoch order
-    return pool
 
 
 def _check_visited(index: int, consumed: int, rank: int, visited: int) -> None:
@@ -769,11 +670,12 @@ def remaining_partition(
 ) -> Partition:
     """This rank's entries for what is left of the epoch after `segments`, over a new world.
 
-    The remaining samples (see remaining_samples) are split like a fresh epoch: equal counts,
-    each remaining sample once under `pad` (plus < W flagged padding), at most W-1 left out under
-    `drop`. Nothing remaining gives every rank 0 entries; so does `drop` with fewer remaining
-    samples than ranks (they are the at most W-1 left out). With no segments this is
-    partition(). The split is segment number len(segments), so it never repeats an earlier one.
+    The remaining samples (what `segments` did not consume, in epoch order) are split like a
+    fresh epoch: equal counts, each remaining sample once under `pad` (plus < W flagged padding),
+    at most W-1 left out under `drop`. Nothing remaining gives every rank 0 entries; so does
+    `drop` with fewer remaining samples than ranks (they are the at most W-1 left out). With no
+    segments this is partition(). The split is segment number len(segments), so it never
+    repeats an earlier one.
     The result is in partition order; `visit_order` only says how past segments were visited.
     Built by EpochRemainder: the remaining pool is never materialised (see its cost note).
     """
@@ -789,20 +691,3 @@ def remaining_partition(
     )
     return remainder.partition(world_size, rank)
 
-
-def locate(
-    indices: npt.ArrayLike, shard_counts: Sequence[int] | npt.ArrayLike
-) -> tuple[IntArray, IntArray]:
-    """(shard id, index within shard) of each global id: (int64 [n], int64 [n])."""
-    counts = validate_shard_counts(shard_counts)
-    ids = np.asarray(indices, dtype=np.int64)  # int64 [n]
-    num_samples = int(counts.sum())
-    if ids.size and (ids.min() < 0 or ids.max() >= num_samples):
-        bad = int(ids[(ids < 0) | (ids >= num_samples)][0])
-        raise PartitionError(
-            f"global index {bad} is outside [0, {num_samples}): decode sampler values "
-            "(negative = padding) with sharding.sampler.decode_array first"
-        )
-    ends = np.cumsum(counts)  # int64 [S]
-    shards = np.searchsorted(ends, ids, side="right").astype(np.int64)  # int64 [n]
-    return shards, ids - (ends[shards] - counts[shards])

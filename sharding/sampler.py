@@ -49,13 +49,10 @@ from sharding.partition import (
     VisitOrder,
     validate_shard_counts,
 )
-from sharding.partition_v1 import RemainderV1
 
 # 2: within-shard and block orders come from a keyed cipher, not a Generator per shard and block
-# (the same guarantees, another order). A version-1 state finishes its epoch in version 1's order
-# (partition_v1), and says version 1 until that epoch ends.
+# (the same guarantees, another order). Version 1 was never released: its states are refused.
 STATE_VERSION = 2
-READ_VERSIONS = (1, 2)
 PARTITION_ORDER = "partition"  # the visit-order name of a sampler iterated as it is
 _YIELD_CHUNK = 4096  # values converted to Python ints at a time, never the whole partition
 
@@ -119,14 +116,13 @@ class ShardedSampler(Sampler[int]):
         # What is left of the epoch; turned into `_current` on first use (iteration, partition,
         # segment), so set_epoch and load_state_dict cost a count, and one partition at most
         # lives at a time.
-        self._remainder: EpochRemainder | RemainderV1 | None = None
+        self._remainder: EpochRemainder | None = None
         self._computed: Partition | None = None
         self._visit_order: VisitOrder | None = None  # None: entries visited in partition order
         self._visit_order_name = PARTITION_ORDER
         self._loaded_order: str | None = None  # the order named by the last loaded state
-        self._v1_epoch: int | None = None  # an epoch a version-1 state left unfinished
         # Computing epoch 0 now checks world, rank, seed and policy here, not mid-epoch.
-        self._enter(0, [Segment(world_size, 0)], start=0, v1=False)
+        self._enter(0, [Segment(world_size, 0)], start=0)
 
     @property
     def epoch(self) -> int:
@@ -139,16 +135,15 @@ class ShardedSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning; the current epoch again keeps the progress."""
         if epoch != self._epoch:
-            self._enter(epoch, [Segment(self.world_size, 0)], start=0, v1=False)
+            self._enter(epoch, [Segment(self.world_size, 0)], start=0)
             self._loaded_order = None  # a fresh epoch owes nothing to the loaded state
 
-    def _enter(self, epoch: int, segments: list[Segment], *, start: int, v1: bool) -> None:
+    def _enter(self, epoch: int, segments: list[Segment], *, start: int) -> None:
         """Switch to this stretch of an epoch; checked first, so bad input changes nothing.
 
-        Only counts are computed here; the entries follow on first use. ``v1``: the epoch runs
-        in version 1's order (a version-1 state left it unfinished), built whole as it was.
+        Only counts are computed here; the entries follow on first use.
         """
-        remainder = (RemainderV1 if v1 else EpochRemainder)(
+        remainder = EpochRemainder(
             self._counts,
             segments=segments[:-1],
             epoch=epoch,
@@ -167,7 +162,6 @@ class ShardedSampler(Sampler[int]):
             )
         self._epoch, self._segments, self._start = epoch, segments, start
         self._remainder, self._computed, self._num_entries = remainder, None, num_entries
-        self._v1_epoch = epoch if v1 else None
 
     @property
     def _current(self) -> Partition:
@@ -193,8 +187,7 @@ class ShardedSampler(Sampler[int]):
         self._check_order(self._loaded_order, name, self._segments)
         self._visit_order, self._visit_order_name = visit_order, name
         try:
-            self._enter(self._epoch, list(self._segments), start=self._start,  # past stretches, replayed
-                        v1=self._v1_epoch is not None)
+            self._enter(self._epoch, list(self._segments), start=self._start)  # past stretches, replayed
         except PartitionError as error:
             raise SamplerStateError(f"the loaded state does not fit visit order {name}: {error}") from error
 
@@ -229,7 +222,7 @@ class ShardedSampler(Sampler[int]):
     def state_dict(self) -> dict[str, Any]:
         """Progress through the current epoch; identical on every rank, so save it once."""
         return {
-            "version": 1 if self._v1_epoch is not None else STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "seed": self.seed,
             "policy": self.policy,
@@ -254,9 +247,8 @@ class ShardedSampler(Sampler[int]):
         else:
             segments.append(Segment(self.world_size, 0))
             start = 0
-        v1 = state["version"] == 1 and any(consumed for _, consumed in segments)
         try:
-            self._enter(epoch, segments, start=start, v1=v1)
+            self._enter(epoch, segments, start=start)
         except PartitionError as error:
             raise SamplerStateError(f"state_dict does not fit this sampler: {error}") from error
         self._loaded_order = loaded_order
@@ -306,9 +298,17 @@ def _parse_state(state: Mapping[str, Any]) -> tuple[int, list[Segment]]:
         raise SamplerStateError(
             f"state_dict lacks {missing}: pass what ShardedSampler.state_dict() returned"
         )
-    if state["version"] not in READ_VERSIONS or isinstance(state["version"], bool):
+    version = state["version"]
+    if version == 1 and not isinstance(version, bool):
         raise SamplerStateError(
-            f"state_dict version={state['version']!r}; this code reads versions {READ_VERSIONS} "
+            f"state_dict version={version!r} is the sampler order of a development build before "
+            f"Switchyard's first release; this code reads version {STATE_VERSION}, whose order "
+            "differs, so the saved progress would name other samples: resume with the build that "
+            "wrote it, or start the epoch fresh with set_epoch"
+        )
+    if version != STATE_VERSION or isinstance(version, bool):
+        raise SamplerStateError(
+            f"state_dict version={version!r}; this code reads version {STATE_VERSION} "
             "(a newer Switchyard wrote it: resume with that version)"
         )
     if state["policy"] not in POLICIES:

@@ -317,7 +317,7 @@ def test_a_worker_batch_is_one_shared_block(varied_path: Path) -> None:
 
 def test_import_sharding_stays_free_of_torch() -> None:
     code = ("import sys, sharding; assert 'torch' not in sys.modules, 'eager torch'; "
-            "from sharding import ShardedSampler, make_loader, Partition, locate; "
+            "from sharding import ShardedSampler, make_loader, Partition; "
             "assert 'torch' in sys.modules; print(ShardedSampler.__name__, make_loader.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["ShardedSampler", "make_loader"]

@@ -1,5 +1,6 @@
 """The lazy elastic resume (EpochRemainder) against the reference path that builds the pool
-(remaining_samples + split_pool), and the counter-based permutations it rests on."""
+(remaining_samples + split_pool, in tests/partition_reference.py), and the counter-based
+permutations it rests on."""
 
 import importlib
 import tracemalloc
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from partition_reference import remaining_samples, split_pool
 
 from sharding.partition import (
     EpochRemainder,
@@ -19,8 +21,6 @@ from sharding.partition import (
     VisitOrder,
     entries_per_rank,
     remaining_partition,
-    remaining_samples,
-    split_pool,
 )
 
 SHARD_COUNTS = st.one_of(

@@ -3,7 +3,6 @@
 import io
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,8 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from sharding.partition import Partition, PartitionError, Policy, partition
-from sharding.partition_v1 import RemainderV1
+from sharding.partition import PartitionError, Policy, partition
 from sharding.sampler import (
     SamplerStateError,
     ShardedSampler,
@@ -320,53 +318,23 @@ def test_resume_through_a_dataloader_mid_epoch_on_another_world() -> None:
 
 # -- states saved by version 1 ---------------------------------------------------------------------
 
-V1_COUNTS = [7, 0, 13, 5, 9, 11, 1, 4]
-V1_GOLDEN = json.loads((Path(__file__).parent / "data" / "sampler_v1_golden.json").read_text())
+# What a development build before the first release saved after 5 entries per rank at 3 ranks
+# (epoch 2, seed 3, shard counts [7, 0, 13, 5, 9, 11, 1, 4]). Its order was another one (a numpy
+# Generator per shard and per block), so its progress names other samples than version 2's.
+V1_STATE = {"version": 1, "epoch": 2, "seed": 3, "policy": "pad", "shuffle": True, "num_samples": 50,
+            "shard_counts_digest": "d306225e668ac687cd537d144e9def43", "segments": [[3, 5]],
+            "visit_order": "partition"}
 
 
-def _reversed_order(part: Partition, epoch: int, segment: int, world_size: int, rank: int) -> Partition:
-    return Partition(part.indices[::-1].copy(), part.is_pad[::-1].copy())
-
-
-def _v1_sampler(case: dict[str, Any], world: int, rank: int) -> ShardedSampler:
-    sampler = ShardedSampler(V1_COUNTS, world_size=world, rank=rank, seed=3, policy=case["policy"])
-    if case["reversed"]:
-        sampler.set_visit_order(_reversed_order, "reversed")
-    return sampler
-
-
-@pytest.mark.parametrize("case", V1_GOLDEN, ids=[c["name"] for c in V1_GOLDEN])
-def test_a_version_1_state_finishes_its_epoch_as_version_1_did(case: dict[str, Any]) -> None:
-    """A checkpoint written before the counter-based shuffles resumes mid-epoch exactly: each rank
-    yields what version 1's rank yielded (tests/sharding/data/make_sampler_v1_golden.py), on the
-    saved world size and on another."""
-    for world, expected in case["resumed"].items():
-        got = []
-        for rank in range(int(world)):
-            sampler = _v1_sampler(case, int(world), rank)
-            sampler.load_state_dict(case["state"])
-            got.append(list(sampler))
-        assert got == expected, f"world {world}"
-
-
-def test_a_version_1_epoch_stays_version_1_until_it_ends() -> None:
-    case = V1_GOLDEN[0]  # saved at 3 ranks after 5 entries
-    sampler = _v1_sampler(case, 2, 0)
-    sampler.load_state_dict(case["state"])
-    sampler.advance(3)
-    state = sampler.state_dict()
-    assert state["version"] == 1 and state["segments"] == [[3, 5], [2, 3]]
-    again = [_v1_sampler(case, 3, r) for r in range(3)]  # saved again, resumed on a third world size
-    for s in again:
-        s.load_state_dict(state)
-    seen = [v for s in again for v in s if v >= 0]  # what is left, then what each stretch consumed
-    for number, (world, taken) in enumerate(((3, 5), (2, 3))):
-        left = RemainderV1(V1_COUNTS, segments=state["segments"][:number], epoch=2, seed=3)
-        for rank in range(world):
-            part = left.partition(world, rank)
-            seen += part.indices[:taken][~part.is_pad[:taken]].tolist()
-    assert sorted(seen) == list(range(sum(V1_COUNTS)))  # every sample exactly once
-    sampler.set_epoch(3)  # the next epoch is version 2's, like any fresh one
-    fresh = ShardedSampler(V1_COUNTS, world_size=2, rank=0, seed=3)
-    fresh.set_epoch(3)
-    assert sampler.state_dict()["version"] == 2 and list(sampler) == list(fresh)
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_version_1_state_is_refused_naming_both_versions_and_the_fix(world: int) -> None:
+    """Version 1 was never released: its reader (sharding/partition_v1.py) is gone, and its states
+    are refused before anything changes, rather than resumed in version 2's order."""
+    sampler = ShardedSampler([7, 0, 13, 5, 9, 11, 1, 4], world_size=world, rank=0, seed=3)
+    before = list(sampler)
+    message = r"version=1 is the sampler order of a development build .* reads version 2, .*set_epoch"
+    with pytest.raises(SamplerStateError, match=message):
+        sampler.load_state_dict(V1_STATE)
+    assert list(sampler) == before and sampler.state_dict()["segments"] == [[world, 0]]
+    sampler.load_state_dict({**V1_STATE, "version": 2})  # the same progress, as version 2's, is read
+    assert len(sampler) == (17 - 5 if world == 3 else (50 - 3 * 5 + 1) // 2)  # 50 samples, pad
