@@ -221,18 +221,6 @@ def agree(rt: Runtime, **values: int | str) -> None:
                                "\nCheck that every node sees the same dataset files and config.")
 
 
-def global_mean(rt: Runtime, sums: torch.Tensor) -> tuple[float, float]:
-    """``sums`` is [total, count] on any device: (sum of totals / sum of counts over ranks, global count).
-
-    The tensor is reduced where it lives (on a GPU run: the model's device, over NCCL), so nothing is
-    copied to the host per step; reading the result is one host-device sync, for log steps only.
-    """
-    reduced = sums.detach().to(torch.float64, copy=True)
-    dist.all_reduce(reduced)
-    total, count = reduced.tolist()
-    return (total / count if count > 0 else float("nan")), count
-
-
 def global_sums(rt: Runtime, sums: torch.Tensor) -> list[float]:
     """``sums`` summed over ranks where it lives, read once (a log or eval step's host sync)."""
     reduced = sums.detach().to(torch.float64, copy=True)

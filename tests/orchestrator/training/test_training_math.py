@@ -150,10 +150,6 @@ def test_unknown_model_target_is_a_clear_error() -> None:
         trainer.build_model({"_target_": "nope.Net"}, {"in_features": 5, "num_classes": 3}, MemoryConfig())
 
 
-def test_mean_over_ranks_is_sum_over_count(single_rank: runtime.Runtime) -> None:
-    assert runtime.global_mean(single_rank, torch.tensor([6.0, 3.0])) == (2.0, 3.0)
-
-
 def test_config_dataclass_roundtrip_is_picklable(tmp_path: Path) -> None:
     import pickle
 
