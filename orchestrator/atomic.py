@@ -49,7 +49,8 @@ def write_json(path: Path, obj: object, *, indent: int | None = None, durable: b
 
 
 def fsync_dir(directory: Path) -> None:
-    """POSIX makes a rename durable only once its directory is fsynced."""
+    """POSIX makes a rename, or any new entry of a directory, durable only once the directory is
+    fsynced. The one copy: checkpoints here and the dataset writer (sharding) both call it."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

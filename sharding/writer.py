@@ -38,6 +38,7 @@ from typing import IO, Any
 import numpy as np
 import xxhash
 
+from orchestrator.atomic import fsync_dir
 from sharding.format import (
     MANIFEST_NAME,
     DatasetError,
@@ -223,7 +224,7 @@ class DatasetWriter:
                 # leave a directory without one alone, so the dataset never carries it.
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._tmp / LOCK_NAME)
-                _fsync_dir(self._tmp)
+                fsync_dir(self._tmp)
                 self._publish()
             self.manifest, self._is_open = manifest, False
             self._release()  # published: the directory is the dataset now
@@ -306,7 +307,7 @@ class DatasetWriter:
             old = _make_sibling_dir(self.path, "old")
             os.replace(self.path, old)  # Linux renames a directory onto an empty one
         os.rename(self._tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -569,12 +570,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new directory entry durable (POSIX needs the directory fsynced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
