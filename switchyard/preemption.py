@@ -19,41 +19,35 @@ script that does not answer the signal is requeued anyway, ``signal_delay_s / 2`
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
 from typing import NoReturn
+
+# The trainer's own flag (orchestrator/stop_signals.py imports the standard library alone).
+from orchestrator.stop_signals import StopFlag, StopReason
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL ("try again"): exit with it to be requeued
 RUN_DIR_ENV = "SWITCHYARD_RUN_DIR"
 RESTART_ENV = "SWITCHYARD_RESTART_COUNT"
 
-_SIGNALS = {signal.SIGUSR2: "time_limit", signal.SIGTERM: "preempted"}
-_received: list[str] = []
+_flag = StopFlag()
 
 
 def install() -> None:
     """SIGUSR2 (time limit) and SIGTERM (preemption) set the flag :func:`stop_requested` reads,
     instead of ending the process. Call it once, early; calling it again changes nothing."""
-    for signum in _SIGNALS:
-        signal.signal(signum, _on_signal)
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    _received.append(_SIGNALS[signal.Signals(signum)])
+    _flag.install()
 
 
 def stop_requested() -> bool:
     """A stop was asked for: checkpoint now, then :func:`requeue` (or just exit on preemption)."""
-    return bool(_received)
+    return _flag.reason != StopReason.NONE
 
 
 def reason() -> str | None:
     """``"preempted"`` (SIGTERM) over ``"time_limit"`` (SIGUSR2); None while nothing arrived."""
-    if not _received:
-        return None
-    return "preempted" if "preempted" in _received else "time_limit"
+    found = _flag.reason
+    return None if found == StopReason.NONE else found.name.lower()
 
 
 def run_dir() -> Path:

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = ("orchestrator", "sharding", "jobs", "hydra_plugins")
 
-BASE = {"orchestrator.config", "orchestrator.atomic", "orchestrator.terminal"}
+BASE = {"orchestrator.config", "orchestrator.atomic", "orchestrator.terminal", "orchestrator.stop_signals"}
 # unit -> the other first-party units it may import (a unit may always import itself)
 ALLOWED: dict[str, set[str]] = {
     "sharding": {"orchestrator.atomic"},  # durable renames only: atomic imports the standard library alone
@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.atomic": set(),
     "orchestrator.terminal": set(),
     "orchestrator.quick_exit": set(),
+    "orchestrator.stop_signals": set(),
     "orchestrator.localcluster": set(),
     "orchestrator.launch": BASE,
     "orchestrator.telemetry": BASE,

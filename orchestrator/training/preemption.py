@@ -15,24 +15,13 @@ Which signal means what:
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import threading
-from enum import IntEnum
-from types import FrameType
 
-# The signals that ask for a stop. Only the training process acts on them: its DataLoader workers
-# ignore them (torch's worker handler would die of SIGTERM, which SLURM sends to every process of
-# the step, and the trainer would raise before it reaches the step boundary and checkpoints).
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-
-
-class StopReason(IntEnum):
-    """Ordered so that a MAX-reduction across ranks picks the most severe reason."""
-
-    NONE = 0
-    TIME_LIMIT = 1  # SIGUSR2: requeue ourselves
-    PREEMPTED = 2  # SIGTERM: checkpoint, let SLURM decide
+# One home for the signals, the reasons and the flag, shared with switchyard.preemption; re-exported
+# here, where the trainer looks for them.
+from orchestrator.stop_signals import STOP_SIGNALS as STOP_SIGNALS
+from orchestrator.stop_signals import StopFlag as StopFlag
+from orchestrator.stop_signals import StopReason as StopReason
 
 
 class RequeueLimitError(RuntimeError):
@@ -46,30 +35,6 @@ class JobStopped(SystemExit):
     def __init__(self, code: int, stop_reason: str = "") -> None:
         super().__init__(code)
         self.stop_reason = stop_reason
-
-
-class StopFlag:
-    """Set from signal handlers; read (and reduced across ranks) at step boundaries."""
-
-    def __init__(self) -> None:
-        self._reason = StopReason.NONE
-        self._lock = threading.Lock()
-
-    @property
-    def reason(self) -> StopReason:
-        return self._reason
-
-    def request(self, reason: StopReason) -> None:
-        with self._lock:
-            self._reason = max(self._reason, reason)
-
-    def install(self) -> None:
-        """Replace the launcher's handlers (submitit checkpoints inside them, on rank 0 only)."""
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.request(StopReason.TIME_LIMIT if signum == signal.SIGUSR2 else StopReason.PREEMPTED)
 
 
 def requeue(job_id: str) -> None:
