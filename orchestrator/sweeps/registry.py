@@ -28,7 +28,7 @@ import random
 import re
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,6 @@ from orchestrator import atomic
 REGISTRY_ENV = "SWITCHYARD_REGISTRY"
 DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
 BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
-# 2: results, 3: digests, 5: provenance, 6: exclusions (an older file gets them when first opened)
-SCHEMA_VERSION = 6
 
 # Attempt states: SLURM's own names, plus the two before SLURM knows the job.
 SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
@@ -55,8 +53,8 @@ RECHECK_REQUEUABLE_S = 24 * 3600.0
 RETRY_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
                           "BOOT_FAIL", "DEADLINE", SUBMIT_FAILED})
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sweeps (
+_SWEEPS = """
+CREATE TABLE sweeps (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     created_at  REAL NOT NULL,
     app         TEXT NOT NULL,      -- hydra.job.name
@@ -64,8 +62,9 @@ CREATE TABLE IF NOT EXISTS sweeps (
     sweep_dir   TEXT NOT NULL,
     executor    TEXT NOT NULL,      -- slurm | local
     entry_path  TEXT NOT NULL       -- pickled task function + Hydra context the tasks load
-);
-CREATE TABLE IF NOT EXISTS jobs (
+)"""
+_JOBS = """
+CREATE TABLE jobs (
     sweep_id    INTEGER NOT NULL REFERENCES sweeps(id),
     num         INTEGER NOT NULL,   -- hydra.job.num
     overrides   TEXT NOT NULL,      -- JSON list
@@ -73,8 +72,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     resources   TEXT NOT NULL,      -- JSON: what the job asks of the executor (the array key)
     total_steps INTEGER,            -- optim.max_steps when the config has it (progress)
     PRIMARY KEY (sweep_id, num)
-);
-CREATE TABLE IF NOT EXISTS attempts (
+)"""
+_ATTEMPTS = """
+CREATE TABLE attempts (
     id           INTEGER PRIMARY KEY AUTOINCREMENT,
     sweep_id     INTEGER NOT NULL,
     num          INTEGER NOT NULL,
@@ -94,31 +94,58 @@ CREATE TABLE IF NOT EXISTS attempts (
     updated_at   REAL NOT NULL,
     UNIQUE (sweep_id, num, attempt),
     FOREIGN KEY (sweep_id, num) REFERENCES jobs(sweep_id, num)
-);
-CREATE INDEX IF NOT EXISTS attempts_by_state ON attempts(state);
-CREATE TABLE IF NOT EXISTS results (
+)"""
+_ATTEMPTS_BY_STATE = "CREATE INDEX attempts_by_state ON attempts(state)"
+_RESULTS = """
+CREATE TABLE results (
     attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
     step        INTEGER,            -- the last training line of metrics.jsonl
     loss        REAL,
     peak_bytes  INTEGER,            -- the memory section's highest peak (GPU used, else rank RSS)
     flags       TEXT NOT NULL,      -- JSON list: the memory section's flags
     memory      TEXT                -- JSON: summary.json's memory section, or the telemetry summarised
-);
-CREATE TABLE IF NOT EXISTS exclusions (
+)"""
+_DIGESTS = """
+CREATE TABLE digests (
     attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
-    nodes       TEXT NOT NULL       -- JSON list of {node, why, attempt}: what this attempt was kept off
-);
-CREATE TABLE IF NOT EXISTS provenance (
+    state       TEXT NOT NULL       -- JSON: a running attempt's telemetry folded so far (stats.Digest)
+)"""
+_EXCLUSIONS = """
+CREATE TABLE {if_missing} exclusions (
+    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
+    nodes       TEXT NOT NULL       -- JSON list of {{node, why, attempt}}: what this attempt was kept off
+)"""
+_PROVENANCE = """
+CREATE TABLE provenance (
     sweep_id    INTEGER NOT NULL,
     num         INTEGER NOT NULL,
     record      TEXT NOT NULL,      -- JSON: what the job's RUN/provenance.json says it runs
     PRIMARY KEY (sweep_id, num)
-);
-CREATE TABLE IF NOT EXISTS digests (
-    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
-    state       TEXT NOT NULL       -- JSON: a running attempt's telemetry folded so far (stats.Digest)
-);
-"""
+)"""
+
+
+def _statements(*sql: str) -> Callable[[sqlite3.Connection], None]:
+    """A migration step that runs these statements."""
+    def step(db: sqlite3.Connection) -> None:
+        for statement in sql:
+            db.execute(statement)
+    return step
+
+
+# The schema's history, one step per version: a file at version N gets the steps after N, in order,
+# in one transaction (a new file is at version 0). A change to the schema is a new step at the
+# end, never an edit of one here: files at every version before it exist.
+MIGRATIONS: tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...] = (
+    (1, _statements(_SWEEPS, _JOBS, _ATTEMPTS, _ATTEMPTS_BY_STATE)),
+    (2, _statements(_RESULTS)),  # what an ended attempt left, read once
+    (3, _statements(_DIGESTS)),  # a running attempt's telemetry folded so far
+    (4, _statements(_EXCLUSIONS.format(if_missing=""))),  # the nodes a retry was kept off
+    (5, _statements(_PROVENANCE)),  # what each job runs
+    # Version 5 as first released made new files without the exclusions table (a rewrite of this
+    # file dropped it); a file that came from version 4 has it.
+    (6, _statements(_EXCLUSIONS.format(if_missing="IF NOT EXISTS"))),
+)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 class RegistryError(RuntimeError):
@@ -279,6 +306,9 @@ class Registry:
             self._db.row_factory = sqlite3.Row
             self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             self._init_schema()
+        except RegistryError:
+            self._db.close()
+            raise
         except sqlite3.OperationalError as e:  # not a damaged file: no permission, a directory...
             raise RegistryError(f"cannot open the sweep registry {self.path}: {e} (set "
                                 f"{REGISTRY_ENV} to use another file)") from e
@@ -286,15 +316,28 @@ class Registry:
             raise damaged(self.path, e) from e
 
     def _init_schema(self) -> None:
+        self._version()  # a newer file is refused before anything in it is changed
         self._use_wal()
         self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across app crashes
-        if self._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        if self._version() == SCHEMA_VERSION:
             return
         with self._write() as db:
-            # Statement by statement: executescript would COMMIT the transaction first.
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                db.execute(statement)  # IF NOT EXISTS: a second process getting here changes nothing
+            version = self._version()  # again, under the lock: another process may have migrated it
+            for to_version, step in MIGRATIONS:
+                if to_version > version:
+                    step(db)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _version(self) -> int:
+        """The file's schema version; one written by a newer Switchyard is refused, not relabelled
+        (its tables may mean what this version cannot know)."""
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise RegistryError(
+                f"the sweep registry {self.path} was written by a newer Switchyard (registry version "
+                f"{version}; this one reads versions up to {SCHEMA_VERSION}): run the newer Switchyard, "
+                f"or set {REGISTRY_ENV} to another file for this one")
+        return version
 
     def _use_wal(self) -> None:
         """WAL is a property of the file, set once; changing it needs a moment alone with the file.

@@ -154,20 +154,6 @@ def test_status_decodes_each_job_row_once(ended_sweep: Registry, monkeypatch: py
     assert sorted(decoded) == [0, 1]
 
 
-def test_a_version_1_registry_gains_the_results_table_and_keeps_its_sweeps(tmp_path: Path) -> None:
-    path = tmp_path / "r.db"
-    with Registry(path) as reg:
-        slurm_sweep(reg, tmp_path, 2)
-    db = sqlite3.connect(path)
-    db.execute("DROP TABLE results")
-    db.execute("PRAGMA user_version = 1")
-    db.commit()
-    db.close()
-    with Registry(path) as reg:
-        assert len(reg.jobs(1)) == 2 and reg.results(1) == {}
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == registry.SCHEMA_VERSION
-
-
 # ------------------------------------------------------------------------------------------------
 # Asking SLURM: only what is shown, matched in linear work, failures said
 
