@@ -25,16 +25,19 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.terminal": set(),
     "orchestrator.quick_exit": set(),
     "orchestrator.localcluster": set(),
+    # what was submitted and what became of it: single jobs (launch) and sweeps both record into it
+    "orchestrator.registry": BASE | {"orchestrator.launch"},
     "orchestrator.launch": BASE,
     "orchestrator.telemetry": BASE,
     "orchestrator.training": BASE | {"orchestrator.launch", "orchestrator.telemetry", "sharding"},
-    "orchestrator.sweeps": BASE | {"orchestrator.launch", "orchestrator.telemetry",
+    "orchestrator.sweeps": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                    "orchestrator.training"},
     # your own command or function as a job: no trainer
-    "orchestrator.scripts": BASE | {"orchestrator.launch", "orchestrator.telemetry", "orchestrator.sweeps"},
-    "orchestrator.cli": BASE | {"orchestrator.launch", "orchestrator.telemetry", "orchestrator.training",
-                                "orchestrator.sweeps", "orchestrator.scripts", "orchestrator.localcluster",
-                                "sharding"},
+    "orchestrator.scripts": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
+                                    "orchestrator.sweeps"},
+    "orchestrator.cli": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
+                                "orchestrator.training", "orchestrator.sweeps", "orchestrator.scripts",
+                                "orchestrator.localcluster", "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
     "jobs": {"orchestrator", "sharding"},
     "hydra_plugins": {"orchestrator"},
@@ -104,7 +107,7 @@ def test_imports_follow_the_architecture() -> None:
 @pytest.mark.parametrize(("where", "source", "expected"), [
     ("orchestrator/sweeps/launcher.py", "def check():\n    from jobs import train\n",
      "orchestrator.sweeps imports jobs"),
-    ("orchestrator/training/trainer.py", "from orchestrator.sweeps import registry\n",
+    ("orchestrator/training/trainer.py", "from orchestrator.sweeps import launcher\n",
      "orchestrator.training imports orchestrator.sweeps"),
     ("orchestrator/training/trainer.py", "from orchestrator import sweeps\n",
      "orchestrator.training imports orchestrator.sweeps"),

@@ -29,11 +29,12 @@ from omegaconf import OmegaConf
 
 from orchestrator import atomic
 from orchestrator.launch import dist_env, local_jobs, provenance, rank_env, run_lock, signal_delay, submit
+from orchestrator.registry.db import Registry
+from orchestrator.registry.reconciliation import reconcile
 from orchestrator.scripts import job as run_job
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
 from orchestrator.sweeps import single
-from orchestrator.sweeps.registry import Registry, reconcile
 from orchestrator.telemetry.files import register_rank
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.launch import dist_env, local_jobs, provenance
+from orchestrator.registry.db import Job, Registry, RegistryError, damage_reported
+from orchestrator.registry.reconciliation import reconcile
 from orchestrator.sweeps.arrays import (
     SUBMITIT_FOLDER,
     Launched,
@@ -55,7 +57,6 @@ from orchestrator.sweeps.points import (
     write_entry,
     write_point,
 )
-from orchestrator.sweeps.registry import Job, Registry, RegistryError, damage_reported, reconcile
 from orchestrator.sweeps.results import keep_ended_results
 
 if TYPE_CHECKING:

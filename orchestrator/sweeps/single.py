@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig
 from orchestrator.launch import provenance
-from orchestrator.sweeps.registry import Job, Observation, Registry, RegistryError, Submitted, TaskStatus
+from orchestrator.registry.db import Job, Observation, Registry, RegistryError, Submitted
+from orchestrator.registry.status_file import TaskStatus
 
 if TYPE_CHECKING:
     import submitit

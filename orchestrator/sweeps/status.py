@@ -21,20 +21,18 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from orchestrator.launch import local_jobs, provenance, slurm_query
-from orchestrator.sweeps.registry import (
-    RETRY_STATES,
-    TERMINAL_STATES,
+from orchestrator.registry.db import (
     Attempt,
     Job,
     Observation,
-    Reconciled,
     Registry,
     RegistryError,
     Result,
     Sweep,
     default_path,
-    reconcile,
 )
+from orchestrator.registry.reconciliation import Reconciled, reconcile
+from orchestrator.registry.states import RETRY_STATES, TERMINAL_STATES
 from orchestrator.sweeps.results import JobRow, job_rows
 from orchestrator.sweeps.single import is_single
 from orchestrator.telemetry.summary import format_summary

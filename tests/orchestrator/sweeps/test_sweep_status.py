@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sweeps.registry import Job, Observation, Registry, Submitted, TaskStatus
+from orchestrator.registry.db import Job, Observation, Registry, Submitted
+from orchestrator.registry.status_file import TaskStatus
 from orchestrator.sweeps.results import last_metrics
 from orchestrator.sweeps.status import (
     CommandError,

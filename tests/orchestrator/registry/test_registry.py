@@ -17,21 +17,10 @@ from typing import Any
 
 import pytest
 
-from orchestrator.sweeps.registry import (
-    SUBMIT_FAILED,
-    SUBMITTED,
-    SUBMITTING,
-    Attempt,
-    Job,
-    Observation,
-    Registry,
-    Submitted,
-    TaskStatus,
-    accepts,
-    expand_array_states,
-    infer,
-    reconcile,
-)
+from orchestrator.registry.db import Attempt, Job, Observation, Registry, Submitted
+from orchestrator.registry.reconciliation import expand_array_states, infer, reconcile
+from orchestrator.registry.states import SUBMIT_FAILED, SUBMITTED, SUBMITTING, accepts
+from orchestrator.registry.status_file import TaskStatus
 
 NUM_PROCS = 100
 CTX = mp.get_context("fork")  # 100 processes start in well under a second

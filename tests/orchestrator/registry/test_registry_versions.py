@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sweeps import registry
-from orchestrator.sweeps.registry import Registry, RegistryError
+from orchestrator.registry import db
+from orchestrator.registry.db import Registry, RegistryError
 
 V1 = """
 CREATE TABLE IF NOT EXISTS sweeps (
@@ -47,33 +47,33 @@ RELEASED = {1: V1, 2: V1 + RESULTS, 3: V1 + RESULTS + DIGESTS, 4: V1 + RESULTS +
 
 def old_file(path: Path, version: int) -> Path:
     """A registry as Switchyard at ``version`` left it, with one sweep of one submitted job."""
-    db = sqlite3.connect(path)
-    db.executescript(RELEASED[version])
-    db.execute("INSERT INTO sweeps VALUES (1, 1.0, 'train', 'optim.lr=0.1', '/s', 'slurm', '')")
-    db.execute("INSERT INTO jobs VALUES (1, 0, '[\"optim.lr=0.1\"]', '/s/0', '{}', 100)")
-    db.execute("INSERT INTO attempts (sweep_id, num, attempt, slurm_id, state, submitted_at, updated_at) "
+    conn = sqlite3.connect(path)
+    conn.executescript(RELEASED[version])
+    conn.execute("INSERT INTO sweeps VALUES (1, 1.0, 'train', 'optim.lr=0.1', '/s', 'slurm', '')")
+    conn.execute("INSERT INTO jobs VALUES (1, 0, '[\"optim.lr=0.1\"]', '/s/0', '{}', 100)")
+    conn.execute("INSERT INTO attempts (sweep_id, num, attempt, slurm_id, state, submitted_at, updated_at) "
                "VALUES (1, 0, 1, '77', 'COMPLETED', 1.0, 2.0)")
-    db.execute(f"PRAGMA user_version = {version}")
-    db.commit()
-    db.close()
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.commit()
+    conn.close()
     return path
 
 
 def schema(path: Path) -> dict[str, list[tuple[str, str, int, int]]]:
     """Each table's and index's columns (name, type, not null, primary key): what the code relies on."""
-    with sqlite3.connect(path) as db:
-        names = [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")]
-        return {n: sorted((c[1], c[2], c[3], c[5]) for c in db.execute(f"PRAGMA table_info({n})"))
+    with sqlite3.connect(path) as conn:
+        names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")]
+        return {n: sorted((c[1], c[2], c[3], c[5]) for c in conn.execute(f"PRAGMA table_info({n})"))
                 for n in names}
 
 
 def version_of(path: Path) -> int:
-    with sqlite3.connect(path) as db:
-        return int(db.execute("PRAGMA user_version").fetchone()[0])
+    with sqlite3.connect(path) as conn:
+        return int(conn.execute("PRAGMA user_version").fetchone()[0])
 
 
 def test_the_migrations_are_one_ordered_step_per_version() -> None:
-    assert [v for v, _ in registry.MIGRATIONS] == list(range(1, registry.SCHEMA_VERSION + 1))
+    assert [v for v, _ in db.MIGRATIONS] == list(range(1, db.SCHEMA_VERSION + 1))
 
 
 @pytest.mark.parametrize("version", sorted(RELEASED))
@@ -86,18 +86,18 @@ def test_a_file_of_each_older_version_migrates_and_keeps_its_records(tmp_path: P
         assert [(a.slurm_id, a.state) for a in reg.attempts(1, 0)] == [("77", "COMPLETED")]
         assert len(reg.jobs(1)) == 1 and reg.results(1) == {}
         reg.record_provenance(1, {0: {"snapshot": None}})  # the newest table takes writes
-    assert version_of(path) == registry.SCHEMA_VERSION
+    assert version_of(path) == db.SCHEMA_VERSION
     assert schema(path) == schema(tmp_path / "new.db")
 
 
 def test_a_file_written_by_a_newer_switchyard_is_refused_naming_both_versions(tmp_path: Path) -> None:
     """It was relabelled as this version (its user_version overwritten) and read as if it were."""
     path = old_file(tmp_path / "r.db", 5)
-    newer = registry.SCHEMA_VERSION + 1
-    with sqlite3.connect(path) as db:
-        db.execute(f"PRAGMA user_version = {newer}")
+    newer = db.SCHEMA_VERSION + 1
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {newer}")
     said = (rf"{path} was written by a newer Switchyard \(registry version {newer}; this one reads "
-            rf"versions up to {registry.SCHEMA_VERSION}\)")
+            rf"versions up to {db.SCHEMA_VERSION}\)")
     with pytest.raises(RegistryError, match=said):
         Registry(path)
     assert version_of(path) == newer
