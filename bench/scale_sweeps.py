@@ -176,7 +176,7 @@ def time_matching(num_tasks: int = NUM_JOBS) -> float:
     slurm_query._from_sacct = lambda ids, timeout_s: reply
     try:
         start = time.perf_counter()
-        reconciliation._slurm_reports(attempts, time.time())
+        reconciliation._slurm_reports(attempts, time.time(), slurm_query.query_states)
         return time.perf_counter() - start
     finally:
         slurm_query._from_sacct = original

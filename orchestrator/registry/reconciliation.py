@@ -5,14 +5,31 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from orchestrator.registry.db import Attempt, Observation, Registry
 from orchestrator.registry.states import QUEUED_STATES, SUBMIT_FAILED, SUBMITTING, TERMINAL_STATES
 from orchestrator.registry.status_file import TaskStatus
+
+
+class StatesReply(Protocol):
+    """What SLURM said about a list of job ids (``launch.slurm_query.StatesReply``)."""
+
+    @property
+    def states(self) -> dict[str, str]: ...  # {job id: STATE}; ids SLURM does not know are left out
+    @property
+    def answered(self) -> AbstractSet[str]: ...  # the asked ids SLURM answered for (known or not)
+    @property
+    def errors(self) -> Sequence[str]: ...  # one line per part of the query that got no answer
+
+
+# Asks SLURM about these job ids in one batch. Given by the caller: the registry sits below launch/,
+# which holds the commands that ask (launch.slurm_query.query_states).
+AskSlurm = Callable[[list[str]], StatesReply]
 
 STALE_CLAIM_S = 600.0  # a SUBMITTING claim this old: its submitter died before sbatch answered
 SILENT_AFTER_S = 300.0  # SLURM (sacct and squeue) silent about a job this old: it is long gone
@@ -87,16 +104,14 @@ def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, set
     return Observation(attempt.id, state, **{k: v for k, v in fields.items() if v is not None})
 
 
-def _slurm_reports(attempts: Sequence[Attempt], now: float
+def _slurm_reports(attempts: Sequence[Attempt], now: float, ask_slurm: AskSlurm
                    ) -> tuple[dict[str, str], set[str], set[str], list[str]]:
     """One batched query for every array: (state per task id, ids whose array has settled, ids
     SLURM did not answer for, one warning per part of the query that failed)."""
-    from orchestrator.launch import slurm_query  # subprocess only; imported late to keep `status` light
-
     bases = sorted({base_id(a.slurm_id) for a in attempts if a.slurm_id})
     if not bases:
         return {}, set(), set(), []
-    reply = slurm_query.query_states(bases)
+    reply = ask_slurm(bases)
     reported = expand_array_states(reply.states)
     # The reply indexed once by array: each attempt then looks up its own (was a scan per attempt).
     by_array: dict[str, list[str]] = {}
@@ -152,16 +167,16 @@ class Reconciled:
 
 
 def reconcile(registry: Registry, sweep_ids: Sequence[int] | None = None,
-              nums: Sequence[int] | None = None) -> Reconciled:
+              nums: Sequence[int] | None = None, *, ask_slurm: AskSlurm) -> Reconciled:
     """Bring every unsettled attempt of these sweeps (all when None), or of these jobs of them,
-    up to date."""
+    up to date; SLURM's jobs are asked about through ``ask_slurm`` (``launch.slurm_query.query_states``)."""
     now = time.time()
     unsettled = registry.unsettled(sweep_ids, nums)
     slurm = [u.attempt for u in unsettled if u.executor == "slurm"]
     local = [u.attempt for u in unsettled if u.executor != "slurm"]
     # Ask SLURM (or the process table) first, read the status files after: a task that ended in
     # between then shows its end report, never "gone without one".
-    reported, settled, unanswered, warnings = _slurm_reports(slurm, now)
+    reported, settled, unanswered, warnings = _slurm_reports(slurm, now, ask_slurm)
     local_reported, local_settled = _local_reports(local)
     reported.update(local_reported)
     settled |= local_settled

@@ -28,7 +28,16 @@ import submitit
 from omegaconf import OmegaConf
 
 from orchestrator import atomic
-from orchestrator.launch import dist_env, local_jobs, provenance, rank_env, run_lock, signal_delay, submit
+from orchestrator.launch import (
+    dist_env,
+    local_jobs,
+    provenance,
+    rank_env,
+    run_lock,
+    signal_delay,
+    slurm_query,
+    submit,
+)
 from orchestrator.registry.db import Registry
 from orchestrator.registry.reconciliation import reconcile
 from orchestrator.scripts import job as run_job
@@ -165,7 +174,7 @@ class FunctionJob:
         if self.recorded is None or isinstance(self.job, submitit.DebugJob):
             return str(self.job.state)
         with Registry(self.recorded.registry) as registry:
-            reconcile(registry, [self.recorded.sweep_id])
+            reconcile(registry, [self.recorded.sweep_id], ask_slurm=slurm_query.query_states)
             attempt = registry.latest_attempts(self.recorded.sweep_id)[single.SINGLE_NUM]
         return attempt.state
 

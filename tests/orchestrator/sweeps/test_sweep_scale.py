@@ -180,7 +180,8 @@ def test_matching_the_sacct_reply_is_linear_in_its_size(monkeypatch: pytest.Monk
         return base_id(job_id)
 
     monkeypatch.setattr(reconciliation, "base_id", counted)
-    reported, settled, unanswered, warnings = reconciliation._slurm_reports(attempts, time.time())
+    reported, settled, unanswered, warnings = reconciliation._slurm_reports(attempts, time.time(),
+                                                                           slurm_query.query_states)
     assert reported == reply and unanswered == set() and warnings == []
     assert settled == {task for task in reply if not task.startswith("9_")}
     assert len(looked_up) <= 4 * (len(attempts) + len(reply))  # a scan per attempt would be 90,000
