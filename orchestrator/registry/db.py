@@ -176,6 +176,16 @@ class Sweep:
     entry_path: str
 
 
+# A single job (a jobs.train run, a switchyard run command, a submitted function) is recorded as a
+# sweep of one job, number SINGLE_NUM, with no saved sweep entry to resubmit it from.
+SINGLE_NUM = 0
+SINGLE_ENTRY = ""
+
+
+def is_single(entry_path: str) -> bool:
+    return entry_path == SINGLE_ENTRY
+
+
 @dataclass(frozen=True)
 class Job:
     sweep_id: int

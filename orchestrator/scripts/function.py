@@ -35,15 +35,15 @@ from orchestrator.launch import (
     rank_env,
     run_lock,
     signal_delay,
+    single,
     slurm_query,
     submit,
 )
-from orchestrator.registry.db import Registry
+from orchestrator.registry.db import SINGLE_NUM, Registry
 from orchestrator.registry.reconciliation import reconcile
 from orchestrator.scripts import job as run_job
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
-from orchestrator.sweeps import single
 from orchestrator.telemetry.files import register_rank
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
@@ -175,7 +175,7 @@ class FunctionJob:
             return str(self.job.state)
         with Registry(self.recorded.registry) as registry:
             reconcile(registry, [self.recorded.sweep_id], ask_slurm=slurm_query.query_states)
-            attempt = registry.latest_attempts(self.recorded.sweep_id)[single.SINGLE_NUM]
+            attempt = registry.latest_attempts(self.recorded.sweep_id)[SINGLE_NUM]
         return attempt.state
 
     def cancel(self) -> None:

@@ -27,10 +27,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_app_check
-from orchestrator.launch import dist_env, provenance, rank_env, run_lock, signal_delay, slurm_request, submit
+from orchestrator.launch import (
+    dist_env,
+    provenance,
+    rank_env,
+    run_lock,
+    signal_delay,
+    single,
+    slurm_request,
+    submit,
+)
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
-from orchestrator.sweeps import single
 from orchestrator.terminal import printable
 
 APP = "run"

@@ -5,8 +5,7 @@
   - ``arrays``: resources, SLURM's limits, grouping into arrays, submit and resubmit;
   - ``node``: what a point's job runs on the node (``run_point``);
 - ``results``: what each job shows (progress, loss, memory), kept in the registry once it ended;
-- ``status``: ``switchyard status/show/logs/cancel/resubmit``;
-- ``single``: single jobs recorded as a sweep of one.
+- ``status``: ``switchyard status/show/logs/cancel/resubmit``.
 
 Within the package imports run one way, ``launcher`` and ``status`` on top: neither imports the
 other (``tests/test_architecture.py``).

@@ -30,11 +30,11 @@ from orchestrator.registry.db import (
     Result,
     Sweep,
     default_path,
+    is_single,
 )
 from orchestrator.registry.reconciliation import Reconciled, reconcile
 from orchestrator.registry.states import RETRY_STATES, TERMINAL_STATES
 from orchestrator.sweeps.results import JobRow, job_rows
-from orchestrator.sweeps.single import is_single
 from orchestrator.telemetry.summary import format_summary
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
