@@ -45,13 +45,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.sweeps.registry import (  # noqa: E402 -- after the path is set
-    Job,
-    Observation,
-    Registry,
-    Submitted,
-    TaskStatus,
-)
+from orchestrator.registry.db import Job, Observation, Registry, Submitted  # noqa: E402 -- after the path is set
+from orchestrator.registry.status_file import TaskStatus  # noqa: E402
 
 NUM_JOBS = 10_000
 ARRAY_SIZE = 1001  # the local cluster's MaxArraySize
@@ -171,17 +166,17 @@ def time_command(src: Path, args: list[str]) -> tuple[float, float]:
 def time_matching(num_tasks: int = NUM_JOBS) -> float:
     """Reconciliation's matching of every pending task against a full sacct reply, in-process."""
     from orchestrator.launch import slurm_query
-    from orchestrator.sweeps import registry
+    from orchestrator.registry import db, reconciliation
 
     reply = {f"{900_000 + n // ARRAY_SIZE}_{n % ARRAY_SIZE}": "PENDING" for n in range(num_tasks)}
-    attempts = [registry.Attempt(n, 1, n, 1, task, task.split("_")[0], n % ARRAY_SIZE, "SUBMITTED", 0,
+    attempts = [db.Attempt(n, 1, n, 1, task, task.split("_")[0], n % ARRAY_SIZE, "SUBMITTED", 0,
                                  time.time(), None, None, None, None, None, None, time.time())
                 for n, task in enumerate(reply)]
     original: Callable[..., Any] = slurm_query._from_sacct
     slurm_query._from_sacct = lambda ids, timeout_s: reply
     try:
         start = time.perf_counter()
-        registry._slurm_reports(attempts, time.time())
+        reconciliation._slurm_reports(attempts, time.time(), slurm_query.query_states)
         return time.perf_counter() - start
     finally:
         slurm_query._from_sacct = original

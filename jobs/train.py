@@ -45,11 +45,11 @@ from orchestrator.launch import (
     rendezvous,
     run_lock,
     signal_delay,
+    single,
     snapshot,
     submit,
 )
 from orchestrator.quick_exit import exit_now
-from orchestrator.sweeps import single
 from orchestrator.terminal import printable, refuse_control
 from orchestrator.training import checks, estimate, resume, trainer
 from orchestrator.training.checkpoint import CheckpointError

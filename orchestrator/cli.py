@@ -90,9 +90,10 @@ def _run(argv: Sequence[str]) -> int:
 
 def _sweeps(args: argparse.Namespace) -> int:
     """status, logs, show, cancel, resubmit: each a thin call into orchestrator.sweeps.status."""
-    from orchestrator.sweeps import registry, status
+    from orchestrator.registry.db import Registry, damage_reported
+    from orchestrator.sweeps import status
 
-    with registry.Registry(args.registry) as reg, registry.damage_reported(reg.path):
+    with Registry(args.registry) as reg, damage_reported(reg.path):
         if args.command == "status":
             return status.cmd_status(reg, args.target, args.json)
         if args.command == "logs":

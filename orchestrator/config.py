@@ -246,19 +246,77 @@ _JOB_REF = r"\d+(?:_\d+)?(?:\+\d+)?"  # 1234, an array task 1234_7, and a +time 
 _DEPENDENCY = re.compile(rf"^(?:singleton|(?:after|afterany|afterok|afternotok|aftercorr)"
                          rf"(?::{_JOB_REF})+)(?:[,?](?:singleton|(?:after|afterany|afterok|afternotok|"
                          rf"aftercorr)(?::{_JOB_REF})+))*$")
+
+
+@dataclass(frozen=True)
+class SbatchOption:
+    """One ``#SBATCH`` option Switchyard writes itself, and the config key that sets it.
+
+    The one home of this mapping: ``launch.submit.slurm_parameters`` writes the options with a
+    ``param`` from the config, ``cluster.sbatch_args`` refuses every option here (``MANAGED_SBATCH``),
+    and ``launch.slurm_request`` names ``key`` in a refusal (``config_keys``).
+    """
+
+    option: str  # sbatch's long name: #SBATCH --cpus-per-task=4
+    key: str  # the config key that sets it; for an option no single key sets, what does
+    param: str | None = None  # the submitit SlurmExecutor parameter that writes it; None: written otherwise
+    convert: Callable[[Any], Any] | None = None  # the key's value -> the parameter's (None: left out)
+    gpu_key: str | None = None  # the key that sets it instead when parallelism.gpus_per_node > 0
+    extra: bool = False  # submitit has no parameter for it: it goes in additional_parameters
+
+    def key_for(self, parallelism: ParallelismConfig) -> str:
+        return self.gpu_key if self.gpu_key and parallelism.gpus_per_node > 0 else self.key
+
+    def value(self, cluster: ClusterConfig, parallelism: ParallelismConfig) -> Any:
+        """The submitit parameter's value for this config; None: the option is left out."""
+        group, _, name = self.key_for(parallelism).partition(".")
+        value = getattr({"cluster": cluster, "parallelism": parallelism}[group], name)
+        return value if self.convert is None or value is None else self.convert(value)
+
+    @property
+    def set_by(self) -> str:
+        return f"{self.key} or {self.gpu_key}" if self.gpu_key else self.key
+
+
+def _megabytes(mem_gb: float) -> str:
+    return f"{int(mem_gb * 1024)}M"
+
+
+_BY_THE_JOB = "the job itself"
+_BY_RUN_DIR = "the job's directory (hydra.run.dir)"
+# In sbatch's prefix order: `--n` is taken as --nodes, the first option it abbreviates (_managed).
+SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
+    SbatchOption("nodes", "parallelism.nodes", "nodes"),
+    SbatchOption("ntasks-per-node", "parallelism.procs_per_node", "ntasks_per_node",
+                 gpu_key="parallelism.gpus_per_node"),
+    SbatchOption("ntasks", "parallelism.*"),
+    SbatchOption("gpus-per-node", "parallelism.gpus_per_node", "gpus_per_node",
+                 convert=lambda gpus: gpus or None),  # 0: a CPU job asks for no GPU
+    SbatchOption("gpus", "parallelism.*"),
+    SbatchOption("cpus-per-task", "cluster.cpus_per_task", "cpus_per_task"),
+    SbatchOption("time", "cluster.timeout_min", "time"),
+    SbatchOption("mem", "cluster.mem_gb", "mem", convert=_megabytes),
+    SbatchOption("partition", "cluster.partition", "partition"),
+    SbatchOption("account", "cluster.account", "account"),
+    SbatchOption("qos", "cluster.qos", "qos"),
+    SbatchOption("constraint", "cluster.constraint", "constraint"),
+    SbatchOption("exclude", "cluster.exclude", "exclude"),
+    SbatchOption("comment", "cluster.comment", "comment"),
+    SbatchOption("job-name", "cluster.job_name", "job_name"),
+    SbatchOption("signal", "cluster.signal_delay_s", "signal_delay_s"),  # submitit writes USR2@N
+    SbatchOption("dependency", "cluster.dependency", "dependency", extra=True),
+    SbatchOption("output", _BY_RUN_DIR),
+    SbatchOption("error", _BY_RUN_DIR),
+    SbatchOption("array", "a sweep (-m)"),
+    SbatchOption("wrap", _BY_THE_JOB),
+    SbatchOption("open-mode", "submitit (it appends)"),
+    SbatchOption("requeue", "cluster.max_requeues"),
+    SbatchOption("no-requeue", "cluster.max_requeues"),
+    SbatchOption("chdir", _BY_THE_JOB),
+    SbatchOption("export", "cluster.setup (export lines run before srun)"),
+)
 # sbatch options Switchyard writes itself: set through these keys, never twice in one script.
-MANAGED_SBATCH = {
-    "nodes": "parallelism.nodes", "ntasks-per-node": "parallelism.procs_per_node or gpus_per_node",
-    "ntasks": "parallelism.*", "gpus-per-node": "parallelism.gpus_per_node", "gpus": "parallelism.*",
-    "cpus-per-task": "cluster.cpus_per_task", "time": "cluster.timeout_min", "mem": "cluster.mem_gb",
-    "partition": "cluster.partition", "account": "cluster.account", "qos": "cluster.qos",
-    "constraint": "cluster.constraint", "exclude": "cluster.exclude", "comment": "cluster.comment",
-    "job-name": "cluster.job_name", "signal": "cluster.signal_delay_s", "dependency": "cluster.dependency",
-    "output": "the job's directory (hydra.run.dir)", "error": "the job's directory (hydra.run.dir)",
-    "array": "a sweep (-m)", "wrap": "the job itself", "open-mode": "submitit (it appends)",
-    "requeue": "cluster.max_requeues", "no-requeue": "cluster.max_requeues",
-    "chdir": "the job itself", "export": "cluster.setup (export lines run before srun)",
-}
+MANAGED_SBATCH = {o.option: o.set_by for o in SBATCH_OPTIONS}
 # sbatch options that change sbatch's own behaviour rather than the job's: (what went wrong, fix).
 SBATCH_BEHAVIOUR = {
     "parsable": ("its answer is no longer 'Submitted batch job N', so a queued job was reported as "

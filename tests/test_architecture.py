@@ -26,16 +26,18 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.quick_exit": set(),
     "orchestrator.stop_signals": set(),
     "orchestrator.localcluster": set(),
-    "orchestrator.launch": BASE,
+    # what was submitted and what became of it: single jobs (launch) and sweeps both record into it
+    "orchestrator.registry": BASE,
+    "orchestrator.launch": BASE | {"orchestrator.registry"},
     "orchestrator.telemetry": BASE,
     "orchestrator.training": BASE | {"orchestrator.launch", "orchestrator.telemetry", "sharding"},
-    "orchestrator.sweeps": BASE | {"orchestrator.launch", "orchestrator.telemetry",
+    "orchestrator.sweeps": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                    "orchestrator.training"},
     # your own command or function as a job: no trainer
-    "orchestrator.scripts": BASE | {"orchestrator.launch", "orchestrator.telemetry", "orchestrator.sweeps"},
-    "orchestrator.cli": BASE | {"orchestrator.launch", "orchestrator.telemetry", "orchestrator.training",
-                                "orchestrator.sweeps", "orchestrator.scripts", "orchestrator.localcluster",
-                                "sharding"},
+    "orchestrator.scripts": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry"},
+    "orchestrator.cli": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
+                                "orchestrator.training", "orchestrator.sweeps", "orchestrator.scripts",
+                                "orchestrator.localcluster", "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
     "jobs": {"orchestrator", "sharding"},
     "hydra_plugins": {"orchestrator"},
@@ -105,13 +107,18 @@ def test_imports_follow_the_architecture() -> None:
 @pytest.mark.parametrize(("where", "source", "expected"), [
     ("orchestrator/sweeps/launcher.py", "def check():\n    from jobs import train\n",
      "orchestrator.sweeps imports jobs"),
-    ("orchestrator/training/trainer.py", "from orchestrator.sweeps import registry\n",
+    ("orchestrator/training/trainer.py", "from orchestrator.sweeps import launcher\n",
      "orchestrator.training imports orchestrator.sweeps"),
     ("orchestrator/training/trainer.py", "from orchestrator import sweeps\n",
      "orchestrator.training imports orchestrator.sweeps"),
     ("orchestrator/launch/submit.py", "from ..training import trainer\n",
      "orchestrator.launch imports orchestrator.training"),
     ("sharding/reader.py", "import orchestrator.config\n", "sharding imports orchestrator.config"),
+    # the registry is below single jobs (launch) and sweeps: SLURM is asked through a function given
+    ("orchestrator/registry/reconciliation.py", "def ask():\n    from orchestrator.launch import submit\n",
+     "orchestrator.registry imports orchestrator.launch"),
+    ("orchestrator/registry/db.py", "from orchestrator.sweeps import status\n",
+     "orchestrator.registry imports orchestrator.sweeps"),
     ("orchestrator/newthing.py", "x = 1\n", "unit orchestrator.newthing is not placed"),
 ])
 def test_a_forbidden_import_is_caught(tmp_path: Path, where: str, source: str, expected: str) -> None:
@@ -178,6 +185,23 @@ def test_no_module_imports_itself_round_a_loop() -> None:
     sweeps.arrays)."""
     assert [c for c in cycles(module_graph(ROOT))
             if not {unit_of(m) for m in c} <= UNITS_WITH_KNOWN_LOOPS] == []
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), set()) - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+@pytest.mark.parametrize("entry", ["jobs.train", "orchestrator.scripts.job", "orchestrator.scripts.function"])
+def test_a_single_job_does_not_pass_through_sweeps(entry: str) -> None:
+    """A single job is recorded in the registry from launch/: it went up into sweeps/ (single,
+    registry) and back down into launch/ eight times on its way from jobs/train.py."""
+    assert sorted(m for m in reached(module_graph(ROOT), entry) if unit_of(m) == "orchestrator.sweeps") == []
 
 
 def test_an_import_loop_is_caught(tmp_path: Path) -> None:

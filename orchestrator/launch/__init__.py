@@ -5,7 +5,9 @@
 - ``submit``: a config -> a submitit executor (debug, local or SLURM), the job's result, its failure
   explained (which rank, which node, the tail of its log);
 - ``local_jobs``: process control of local jobs (fail-fast, cancel as ``scancel`` does);
-- ``slurm_query``: batched ``sacct``/``squeue`` reads.
+- ``slurm_query``: batched ``sacct``/``squeue`` reads;
+- ``single``: a single job recorded in the registry (as a sweep of one), followed while it pends,
+  and its end recorded.
 
-It imports nothing of ``training``, ``telemetry`` or ``sweeps``.
+It imports the ``registry`` and nothing of ``training``, ``telemetry`` or ``sweeps``.
 """

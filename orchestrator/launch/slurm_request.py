@@ -22,16 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ConfigError
+from orchestrator.config import SBATCH_OPTIONS, ConfigError, ParallelismConfig
 
-# submitit parameter -> the config key that sets it (jobs.train's groups)
-CONFIG_KEYS = {"nodes": "parallelism.nodes", "ntasks_per_node": "parallelism.procs_per_node",
-               "gpus_per_node": "parallelism.gpus_per_node", "cpus_per_task": "cluster.cpus_per_task",
-               "mem": "cluster.mem_gb", "time": "cluster.timeout_min",
-               "partition": "cluster.partition", "account": "cluster.account", "qos": "cluster.qos",
-               "constraint": "cluster.constraint", "exclude": "cluster.exclude",
-               "job_name": "cluster.job_name", "comment": "cluster.comment",
-               "dependency": "cluster.dependency"}
+
+def config_keys(parallelism: ParallelismConfig) -> dict[str, str]:
+    """submitit parameter -> the config key that sets it for this config (``config.SBATCH_OPTIONS``),
+    for an error that names the one to change."""
+    return {o.param: o.key_for(parallelism) for o in SBATCH_OPTIONS if o.param is not None}
+
+
+# The keys on CPU: what a refusal names when the config is not at hand.
+CONFIG_KEYS = config_keys(ParallelismConfig())
 
 # squeue reasons that mean "never, as asked" (SLURM's job_reason list): a partition, association or
 # QOS limit the request exceeds, or names that are not valid.

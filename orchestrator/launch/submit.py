@@ -22,7 +22,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.local import LocalJob
 
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, sbatch_option
+from orchestrator.config import SBATCH_OPTIONS, ClusterConfig, ConfigError, ParallelismConfig, sbatch_option
 from orchestrator.launch import (
     bad_nodes,
     dist_env,
@@ -149,31 +149,25 @@ def local_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
 
 
 def slurm_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters: each option of ``config.SBATCH_OPTIONS`` from its key, then
+    ``cluster.sbatch_args`` (which may not repeat one of them), setup and srun arguments."""
     params: dict[str, Any] = {
-        "job_name": cluster.job_name,
-        "nodes": parallelism.nodes,
-        "ntasks_per_node": parallelism.tasks_per_node,
-        "cpus_per_task": cluster.cpus_per_task,
-        "time": cluster.timeout_min,
-        "signal_delay_s": cluster.signal_delay_s,
         "setup": list(cluster.setup),
         "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args],
         "stderr_to_stdout": False,
     }
-    if parallelism.gpus_per_node > 0:
-        params["gpus_per_node"] = parallelism.gpus_per_node
-    if cluster.mem_gb is not None:
-        params["mem"] = f"{int(cluster.mem_gb * 1024)}M"
     extra = dict(sbatch_option(f"cluster.sbatch_args[{i}]", arg)
                  for i, arg in enumerate(cluster.sbatch_args))
-    if cluster.dependency is not None:
-        extra["dependency"] = cluster.dependency
+    for option in SBATCH_OPTIONS:
+        value = option.value(cluster, parallelism) if option.param is not None else None
+        if value is None:
+            continue
+        if option.extra:
+            extra[option.option] = value
+        else:
+            params[str(option.param)] = value
     if extra:  # submitit writes each as #SBATCH --name[=value] (its keys use '_' for '-')
         params["additional_parameters"] = {name.replace("-", "_"): value for name, value in extra.items()}
-    optional = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
-                "constraint": cluster.constraint, "exclude": cluster.exclude,
-                "comment": cluster.comment}
-    params.update({k: v for k, v in optional.items() if v is not None})
     return params
 
 

@@ -6,6 +6,6 @@ run directory, telemetry, fail-fast, requeue and registry as ``jobs.train``.
 - ``rank``: what each rank's Switchyard process does around the user's process;
 - ``job``: the submitting side (checks, sbatch script, registry entry, waiting, the report).
 
-It imports ``launch``, ``telemetry`` and ``sweeps`` (the registry), never ``training``: a script's
-job does not load the trainer.
+It imports ``launch``, ``telemetry`` and the ``registry``, never ``training``: a script's job does
+not load the trainer.
 """

@@ -28,12 +28,22 @@ import submitit
 from omegaconf import OmegaConf
 
 from orchestrator import atomic
-from orchestrator.launch import dist_env, local_jobs, provenance, rank_env, run_lock, signal_delay, submit
+from orchestrator.launch import (
+    dist_env,
+    local_jobs,
+    provenance,
+    rank_env,
+    run_lock,
+    signal_delay,
+    single,
+    slurm_query,
+    submit,
+)
+from orchestrator.registry.db import SINGLE_NUM, Registry
+from orchestrator.registry.reconciliation import reconcile
 from orchestrator.scripts import job as run_job
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
-from orchestrator.sweeps import single
-from orchestrator.sweeps.registry import Registry, reconcile
 from orchestrator.telemetry.files import register_rank
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
@@ -164,8 +174,8 @@ class FunctionJob:
         if self.recorded is None or isinstance(self.job, submitit.DebugJob):
             return str(self.job.state)
         with Registry(self.recorded.registry) as registry:
-            reconcile(registry, [self.recorded.sweep_id])
-            attempt = registry.latest_attempts(self.recorded.sweep_id)[single.SINGLE_NUM]
+            reconcile(registry, [self.recorded.sweep_id], ask_slurm=slurm_query.query_states)
+            attempt = registry.latest_attempts(self.recorded.sweep_id)[SINGLE_NUM]
         return attempt.state
 
     def cancel(self) -> None:

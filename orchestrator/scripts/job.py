@@ -27,10 +27,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_app_check
-from orchestrator.launch import dist_env, provenance, rank_env, run_lock, signal_delay, slurm_request, submit
+from orchestrator.launch import (
+    dist_env,
+    provenance,
+    rank_env,
+    run_lock,
+    signal_delay,
+    single,
+    slurm_request,
+    submit,
+)
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
-from orchestrator.sweeps import single
 from orchestrator.terminal import printable
 
 APP = "run"
@@ -69,7 +77,7 @@ def check_resources(cfg: RunConfig) -> None:
     """SLURM's verdict on the request (slurm), or this machine's GPUs (local)."""
     if cfg.cluster.mode == "slurm":
         params = submit.slurm_parameters(cfg.cluster, cfg.parallelism)
-        slurm_request.check(params, request_keys(cfg.parallelism))
+        slurm_request.check(params, slurm_request.config_keys(cfg.parallelism))
     elif cfg.parallelism.gpus_per_node > 0:
         import torch
 
@@ -106,12 +114,6 @@ def _is_python(program: str) -> bool:
     name = Path(program).name
     return name == "python" or (name.startswith("python")
                                 and name.removeprefix("python").replace(".", "").isdigit())
-
-
-def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
-    """The config keys behind each sbatch value, for an error that names the one to change."""
-    tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
-    return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
 
 
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from orchestrator import atomic
 from orchestrator.launch import dist_env, rank_env, run_lock, submit
-from orchestrator.sweeps.registry import TaskStatus
+from orchestrator.registry.status_file import TaskStatus
 from orchestrator.telemetry.files import clear_end_summary, register_rank, write_end_summary
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler

@@ -25,8 +25,9 @@ from omegaconf import OmegaConf
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
 from orchestrator.launch import bad_nodes, slurm_query
+from orchestrator.registry.db import Attempt, Job, Registry, Submitted
+from orchestrator.registry.states import RETRY_STATES
 from orchestrator.sweeps.node import run_point
-from orchestrator.sweeps.registry import RETRY_STATES, Attempt, Job, Registry, Submitted
 
 if TYPE_CHECKING:
     import submitit

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from orchestrator.launch import dist_env, local_jobs, provenance
+from orchestrator.launch import dist_env, local_jobs, provenance, slurm_query
+from orchestrator.registry.db import Job, Registry, RegistryError, damage_reported
+from orchestrator.registry.reconciliation import reconcile
 from orchestrator.sweeps.arrays import (
     SUBMITIT_FOLDER,
     Launched,
@@ -55,7 +57,6 @@ from orchestrator.sweeps.points import (
     write_entry,
     write_point,
 )
-from orchestrator.sweeps.registry import Job, Registry, RegistryError, damage_reported, reconcile
 from orchestrator.sweeps.results import keep_ended_results
 
 if TYPE_CHECKING:
@@ -254,7 +255,7 @@ def _settle(registry: Registry, sweep_id: int, timeout_s: float = 30.0) -> None:
     then keep what each ended job left in it, so the first ``status`` after reads no job files."""
     deadline = time.monotonic() + timeout_s
     while True:
-        reconciled = reconcile(registry, [sweep_id])
+        reconciled = reconcile(registry, [sweep_id], ask_slurm=slurm_query.query_states)
         if not registry.unsettled([sweep_id]) or time.monotonic() > deadline:
             for warning in reconciled.warnings:
                 log.warning(f"Switchyard: {warning}")

@@ -22,7 +22,7 @@ from omegaconf import open_dict, read_write
 
 from orchestrator import atomic
 from orchestrator.launch import dist_env
-from orchestrator.sweeps.registry import TaskStatus
+from orchestrator.registry.status_file import TaskStatus
 
 if TYPE_CHECKING:
     from hydra.core.utils import JobReturn

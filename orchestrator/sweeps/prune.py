@@ -17,7 +17,7 @@ from typing import IO
 
 from orchestrator.config import SnapshotConfig
 from orchestrator.launch import provenance, snapshot
-from orchestrator.sweeps.registry import Registry
+from orchestrator.registry.db import Registry
 from orchestrator.sweeps.status import CommandError
 
 DAY_S = 24 * 3600.0

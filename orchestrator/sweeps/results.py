@@ -14,15 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.sweeps.registry import (
-    SUBMITTED,
-    SUBMITTING,
-    TERMINAL_STATES,
-    Attempt,
-    Job,
-    Registry,
-    Result,
-)
+from orchestrator.registry.db import Attempt, Job, Registry, Result
+from orchestrator.registry.states import SUBMITTED, SUBMITTING, TERMINAL_STATES
 from orchestrator.telemetry.files import read_end_summary, telemetry_dir
 from orchestrator.telemetry.stats import Digest
 from orchestrator.telemetry.summary import summarize, summary_of

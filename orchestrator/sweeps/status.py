@@ -21,22 +21,20 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from orchestrator.launch import local_jobs, provenance, slurm_query
-from orchestrator.sweeps.registry import (
-    RETRY_STATES,
-    TERMINAL_STATES,
+from orchestrator.registry.db import (
     Attempt,
     Job,
     Observation,
-    Reconciled,
     Registry,
     RegistryError,
     Result,
     Sweep,
     default_path,
-    reconcile,
+    is_single,
 )
+from orchestrator.registry.reconciliation import Reconciled, reconcile
+from orchestrator.registry.states import RETRY_STATES, TERMINAL_STATES
 from orchestrator.sweeps.results import JobRow, job_rows
-from orchestrator.sweeps.single import is_single
 from orchestrator.telemetry.summary import format_summary
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
@@ -217,7 +215,7 @@ def print_warnings(reconciled: Reconciled, out: IO[str]) -> None:
 
 def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[str] = sys.stdout) -> int:
     if target is None:
-        reconciled = reconcile(registry)
+        reconciled = reconcile(registry, ask_slurm=slurm_query.query_states)
         summaries = [sweep_summary(registry, s) for s in registry.sweeps()]
         if as_json:
             print(json.dumps({"registry": str(registry.path), "sweeps": summaries,
@@ -230,7 +228,7 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
             print(sweeps_table(summaries, colour_enabled(out)), file=out)
         return 0
     ref = parse_ref(registry, target)
-    reconciled = reconcile(registry, [ref.sweep_id])
+    reconciled = reconcile(registry, [ref.sweep_id], ask_slurm=slurm_query.query_states)
     sweep, now = registry.sweep(ref.sweep_id), time.time()
     all_rows = job_rows(registry, ref.sweep_id)
     rows = [r for r in all_rows if ref.num is None or r.job.num == ref.num]
@@ -295,7 +293,8 @@ def _attempt(registry: Registry, ref: Ref, number: int | None) -> Attempt:
 def cmd_logs(registry: Registry, target: str, rank: int, follow: bool, stream: str,
              attempt_number: int | None = None, out: IO[str] = sys.stdout) -> int:
     ref = _job_ref(registry, target)
-    print_warnings(reconcile(registry, [ref.sweep_id], [cast(int, ref.num)]), sys.stderr)
+    print_warnings(reconcile(registry, [ref.sweep_id], [cast(int, ref.num)],
+                             ask_slurm=slurm_query.query_states), sys.stderr)
     check_rank(registry.job(ref.sweep_id, cast(int, ref.num)), rank)
     attempt = _attempt(registry, ref, attempt_number)
     stdout_path, stderr_path = log_paths(attempt, rank)
@@ -339,7 +338,7 @@ def _follow(registry: Registry, ref: Ref, attempt: Attempt, paths: list[Path], o
             if ended:
                 return 0
             if time.monotonic() - last_check > 2:
-                reconcile(registry, [ref.sweep_id], [cast(int, ref.num)])
+                reconcile(registry, [ref.sweep_id], [cast(int, ref.num)], ask_slurm=slurm_query.query_states)
                 state = _attempt(registry, ref, attempt.attempt).state
                 ended, last_check = state in TERMINAL_STATES, time.monotonic()
             time.sleep(poll_s)
@@ -350,7 +349,8 @@ def _follow(registry: Registry, ref: Ref, attempt: Attempt, paths: list[Path], o
 def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.stdout) -> int:
     ref = _job_ref(registry, target)
     assert ref.num is not None  # _job_ref guarantees it; narrows the type
-    reconciled = reconcile(registry, [ref.sweep_id], [ref.num])  # this job only, not its sweep
+    # this job only, not its sweep
+    reconciled = reconcile(registry, [ref.sweep_id], [ref.num], ask_slurm=slurm_query.query_states)
     (row,) = job_rows(registry, ref.sweep_id, ref.num)
     job, sweep = row.job, registry.sweep(ref.sweep_id)
     attempts = registry.attempts(ref.sweep_id, ref.num)
@@ -430,7 +430,7 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
         raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
                            "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
-    print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
+    print_warnings(reconcile(registry, [ref.sweep_id], ask_slurm=slurm_query.query_states), sys.stderr)
     executor = registry.sweep(ref.sweep_id).executor
     live = [a for a in registry.latest_attempts(ref.sweep_id).values()
             if (ref.num is None or a.num == ref.num) and a.slurm_id and a.state not in TERMINAL_STATES]
@@ -511,7 +511,7 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
         raise CommandError(f"{ref.sweep_id} is a single job ({sweep.app}: {sweep.command or '-'}), not a "
                            f"sweep: it has no saved points to resubmit; run its command again (with "
                            f"hydra.run.dir={sweep.sweep_dir} to resume in its run directory)")
-    print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
+    print_warnings(reconcile(registry, [ref.sweep_id], ask_slurm=slurm_query.query_states), sys.stderr)
     try:
         resubmitted = arrays.resubmit_failed(registry, ref.sweep_id)
     except arrays.SweepError as e:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orchestrator.config import ConfigError, ParallelismConfig, TrainConfig, group_dict
+from orchestrator.config import ConfigError, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
 from orchestrator.training import estimate, resume, run_log, strategy
 from orchestrator.training.tasks import Batch, Task, build_task
@@ -52,7 +52,7 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths, run_dir: Path | None
     memory = estimate.check_memory(cfg, task, train, example_batch(task, train))
     if cfg.cluster.mode == "slurm":
         slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
-                            request_keys(cfg.parallelism))
+                            slurm_request.config_keys(cfg.parallelism))
     if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
         raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="
@@ -144,12 +144,6 @@ def refused(cfg: TrainConfig, example: Batch, error: BaseException) -> ConfigErr
     return ConfigError(f"model._target_={target!r} fails on one real batch of data.path ({shapes}): "
                        f"{first} (fix the model for this input, or choose the task and fields that "
                        f"fit it)")
-
-
-def request_keys(parallelism: ParallelismConfig) -> dict[str, str]:
-    """The config keys behind each sbatch value, for an error that names the one to change."""
-    tasks = "parallelism.gpus_per_node" if parallelism.gpus_per_node > 0 else "parallelism.procs_per_node"
-    return {**slurm_request.CONFIG_KEYS, "ntasks_per_node": tasks}
 
 
 def check_worker_memory(paths: DataPaths, cfg: TrainConfig) -> None:

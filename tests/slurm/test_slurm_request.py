@@ -14,7 +14,6 @@ import submitit
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import slurm_query, slurm_request, submit
-from orchestrator.training.checks import request_keys
 
 pytestmark = pytest.mark.slurm
 
@@ -34,7 +33,7 @@ def refusal(cluster: ClusterConfig, parallelism: ParallelismConfig) -> str:
     name = own_name()
     with pytest.raises(slurm_request.SlurmRequestError) as caught:
         slurm_request.check(submit.slurm_parameters(dataclasses.replace(cluster, job_name=name),
-                                                    parallelism), request_keys(parallelism))
+                                                    parallelism), slurm_request.config_keys(parallelism))
     assert queued(name) == [], "a refused request must queue nothing"
     return str(caught.value)
 

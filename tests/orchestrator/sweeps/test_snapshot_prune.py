@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.registry.db import Job, Observation, Registry
 from orchestrator.sweeps.prune import DAY_S, cmd_prune
-from orchestrator.sweeps.registry import Job, Observation, Registry
 from orchestrator.sweeps.status import CommandError
 
 

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from orchestrator.sweeps.registry import Job, Registry
+from orchestrator.registry.db import Job, Registry
 from orchestrator.sweeps.status import cmd_show, cmd_status
 
 GIB = 2**30

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from slurm_fakes import calls, fake_slurm, scontrol_config
 
 from orchestrator.launch import slurm_query
+from orchestrator.registry.db import Job, Registry
+from orchestrator.registry.states import SUBMIT_FAILED, SUBMITTED
 from orchestrator.sweeps import arrays
 from orchestrator.sweeps.arrays import (
     LauncherSettings,
@@ -30,7 +32,6 @@ from orchestrator.sweeps.arrays import (
     parallelism_share,
     resources_for,
 )
-from orchestrator.sweeps.registry import SUBMIT_FAILED, SUBMITTED, Job, Registry
 
 
 @pytest.fixture(autouse=True)

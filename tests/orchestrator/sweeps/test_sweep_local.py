@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import sweep_probe
 
-from orchestrator.sweeps.registry import Registry
+from orchestrator.registry.db import Registry
 
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
 

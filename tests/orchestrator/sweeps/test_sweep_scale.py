@@ -20,16 +20,10 @@ import pytest
 from slurm_fakes import calls, fake_slurm
 
 from orchestrator.launch import slurm_query
-from orchestrator.sweeps import registry, results
-from orchestrator.sweeps.registry import (
-    SUBMITTED,
-    Attempt,
-    Job,
-    Observation,
-    Registry,
-    Result,
-    Submitted,
-)
+from orchestrator.registry import db, reconciliation
+from orchestrator.registry.db import Attempt, Job, Observation, Registry, Result, Submitted
+from orchestrator.registry.states import SUBMITTED
+from orchestrator.sweeps import results
 from orchestrator.sweeps.status import cmd_show, cmd_status
 from orchestrator.telemetry import stats
 
@@ -143,29 +137,15 @@ def test_a_requeue_or_correction_drops_the_kept_result(ended_sweep: Registry, tm
 
 def test_status_decodes_each_job_row_once(ended_sweep: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     decoded: list[int] = []
-    job = registry._job
+    job = db._job
 
     def counted(row: sqlite3.Row) -> Job:
         decoded.append(row["num"])
         return job(row)
 
-    monkeypatch.setattr(registry, "_job", counted)
+    monkeypatch.setattr(db, "_job", counted)
     status_text(ended_sweep)
     assert sorted(decoded) == [0, 1]
-
-
-def test_a_version_1_registry_gains_the_results_table_and_keeps_its_sweeps(tmp_path: Path) -> None:
-    path = tmp_path / "r.db"
-    with Registry(path) as reg:
-        slurm_sweep(reg, tmp_path, 2)
-    db = sqlite3.connect(path)
-    db.execute("DROP TABLE results")
-    db.execute("PRAGMA user_version = 1")
-    db.commit()
-    db.close()
-    with Registry(path) as reg:
-        assert len(reg.jobs(1)) == 2 and reg.results(1) == {}
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == registry.SCHEMA_VERSION
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,14 +173,15 @@ def test_matching_the_sacct_reply_is_linear_in_its_size(monkeypatch: pytest.Monk
     attempts = [_attempt(n, task) for n, task in enumerate(reply)]
     monkeypatch.setattr(slurm_query, "_from_sacct", lambda ids, timeout_s: reply)
     looked_up: list[str] = []
-    base_id = registry.base_id
+    base_id = reconciliation.base_id
 
     def counted(job_id: str) -> str:
         looked_up.append(job_id)
         return base_id(job_id)
 
-    monkeypatch.setattr(registry, "base_id", counted)
-    reported, settled, unanswered, warnings = registry._slurm_reports(attempts, time.time())
+    monkeypatch.setattr(reconciliation, "base_id", counted)
+    reported, settled, unanswered, warnings = reconciliation._slurm_reports(attempts, time.time(),
+                                                                           slurm_query.query_states)
     assert reported == reply and unanswered == set() and warnings == []
     assert settled == {task for task in reply if not task.startswith("9_")}
     assert len(looked_up) <= 4 * (len(attempts) + len(reply))  # a scan per attempt would be 90,000

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sweeps.registry import Job, Observation, Registry, Submitted, TaskStatus
+from orchestrator.registry.db import SINGLE_NUM, Job, Observation, Registry, Submitted
+from orchestrator.registry.status_file import TaskStatus
 from orchestrator.sweeps.results import last_metrics
 from orchestrator.sweeps.status import (
     CommandError,
@@ -150,8 +151,7 @@ def test_logs_of_a_rank_the_job_does_not_have_name_its_ranks(tmp_path: Path) -> 
 
 
 def test_a_single_jobs_provenance_is_kept_in_the_registry(tmp_path: Path) -> None:
-    from orchestrator.launch import provenance
-    from orchestrator.sweeps import single
+    from orchestrator.launch import provenance, single
 
     run_dir = tmp_path / "run"
     written = provenance.record(run_dir, None, "seed: 1\n", provenance.origin(), None)
@@ -159,7 +159,7 @@ def test_a_single_jobs_provenance_is_kept_in_the_registry(tmp_path: Path) -> Non
                              "seed: 1\n", tmp_path / "reg.db")
     (run_dir / provenance.PROVENANCE_FILE).unlink()
     with Registry(tmp_path / "reg.db") as reg:
-        assert reg.provenance(recorded.sweep_id, single.SINGLE_NUM) == written
+        assert reg.provenance(recorded.sweep_id, SINGLE_NUM) == written
         out = io.StringIO()
         cmd_show(reg, recorded.ref, as_json=False, out=out)
     assert "code snapshot: none (the job imported the working tree)" in out.getvalue()

@@ -1,4 +1,4 @@
-"""The sweep registry: one SQLite file recording every sweep, its jobs and every attempt at each job.
+"""The registry: one SQLite file recording every sweep, its jobs and every attempt at each job.
 
 Vocabulary: a *sweep* is one ``-m`` invocation; a *job* is one point of it (Hydra's job number,
 its overrides, its run directory); an *attempt* is one submission of a job (a SLURM array task or
@@ -25,38 +25,31 @@ import contextlib
 import json
 import os
 import random
-import re
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from orchestrator import atomic
+from orchestrator.registry.states import (
+    FINAL_STATES,
+    RECHECK_REQUEUABLE_S,
+    REQUEUABLE_STATES,
+    RETRY_STATES,
+    SUBMIT_FAILED,
+    SUBMITTED,
+    SUBMITTING,
+    TERMINAL_STATES,
+    accepts,
+)
 
 REGISTRY_ENV = "SWITCHYARD_REGISTRY"
 DEFAULT_PATH = Path("~/.local/share/switchyard/registry.db")
 BUSY_TIMEOUT_S = 120.0  # a writer waits this long for the lock; transactions here take milliseconds
-# 2: results, 3: digests, 5: provenance, 6: exclusions (an older file gets them when first opened)
-SCHEMA_VERSION = 6
 
-# Attempt states: SLURM's own names, plus the two before SLURM knows the job.
-SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
-SUBMITTED = "SUBMITTED"  # sbatch answered; SLURM has not reported on it yet
-SUBMIT_FAILED = "SUBMIT_FAILED"  # sbatch refused it
-FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "OUT_OF_MEMORY", "BOOT_FAIL",
-                          "DEADLINE", SUBMIT_FAILED})
-# Terminal for now, but SLURM or the job itself may requeue it: keep asking for a day.
-REQUEUABLE_STATES = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL"})
-TERMINAL_STATES = FINAL_STATES | REQUEUABLE_STATES
-RECHECK_REQUEUABLE_S = 24 * 3600.0
-# What `resubmit --failed` reruns.
-RETRY_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
-                          "BOOT_FAIL", "DEADLINE", SUBMIT_FAILED})
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sweeps (
+_SWEEPS = """
+CREATE TABLE sweeps (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     created_at  REAL NOT NULL,
     app         TEXT NOT NULL,      -- hydra.job.name
@@ -64,8 +57,9 @@ CREATE TABLE IF NOT EXISTS sweeps (
     sweep_dir   TEXT NOT NULL,
     executor    TEXT NOT NULL,      -- slurm | local
     entry_path  TEXT NOT NULL       -- pickled task function + Hydra context the tasks load
-);
-CREATE TABLE IF NOT EXISTS jobs (
+)"""
+_JOBS = """
+CREATE TABLE jobs (
     sweep_id    INTEGER NOT NULL REFERENCES sweeps(id),
     num         INTEGER NOT NULL,   -- hydra.job.num
     overrides   TEXT NOT NULL,      -- JSON list
@@ -73,8 +67,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     resources   TEXT NOT NULL,      -- JSON: what the job asks of the executor (the array key)
     total_steps INTEGER,            -- optim.max_steps when the config has it (progress)
     PRIMARY KEY (sweep_id, num)
-);
-CREATE TABLE IF NOT EXISTS attempts (
+)"""
+_ATTEMPTS = """
+CREATE TABLE attempts (
     id           INTEGER PRIMARY KEY AUTOINCREMENT,
     sweep_id     INTEGER NOT NULL,
     num          INTEGER NOT NULL,
@@ -94,31 +89,58 @@ CREATE TABLE IF NOT EXISTS attempts (
     updated_at   REAL NOT NULL,
     UNIQUE (sweep_id, num, attempt),
     FOREIGN KEY (sweep_id, num) REFERENCES jobs(sweep_id, num)
-);
-CREATE INDEX IF NOT EXISTS attempts_by_state ON attempts(state);
-CREATE TABLE IF NOT EXISTS results (
+)"""
+_ATTEMPTS_BY_STATE = "CREATE INDEX attempts_by_state ON attempts(state)"
+_RESULTS = """
+CREATE TABLE results (
     attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
     step        INTEGER,            -- the last training line of metrics.jsonl
     loss        REAL,
     peak_bytes  INTEGER,            -- the memory section's highest peak (GPU used, else rank RSS)
     flags       TEXT NOT NULL,      -- JSON list: the memory section's flags
     memory      TEXT                -- JSON: summary.json's memory section, or the telemetry summarised
-);
-CREATE TABLE IF NOT EXISTS exclusions (
+)"""
+_DIGESTS = """
+CREATE TABLE digests (
     attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
-    nodes       TEXT NOT NULL       -- JSON list of {node, why, attempt}: what this attempt was kept off
-);
-CREATE TABLE IF NOT EXISTS provenance (
+    state       TEXT NOT NULL       -- JSON: a running attempt's telemetry folded so far (stats.Digest)
+)"""
+_EXCLUSIONS = """
+CREATE TABLE {if_missing} exclusions (
+    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
+    nodes       TEXT NOT NULL       -- JSON list of {{node, why, attempt}}: what this attempt was kept off
+)"""
+_PROVENANCE = """
+CREATE TABLE provenance (
     sweep_id    INTEGER NOT NULL,
     num         INTEGER NOT NULL,
     record      TEXT NOT NULL,      -- JSON: what the job's RUN/provenance.json says it runs
     PRIMARY KEY (sweep_id, num)
-);
-CREATE TABLE IF NOT EXISTS digests (
-    attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
-    state       TEXT NOT NULL       -- JSON: a running attempt's telemetry folded so far (stats.Digest)
-);
-"""
+)"""
+
+
+def _statements(*sql: str) -> Callable[[sqlite3.Connection], None]:
+    """A migration step that runs these statements."""
+    def step(db: sqlite3.Connection) -> None:
+        for statement in sql:
+            db.execute(statement)
+    return step
+
+
+# The schema's history, one step per version: a file at version N gets the steps after N, in order,
+# in one transaction (a new file is at version 0). A change to the schema is a new step at the
+# end, never an edit of one here: files at every version before it exist.
+MIGRATIONS: tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...] = (
+    (1, _statements(_SWEEPS, _JOBS, _ATTEMPTS, _ATTEMPTS_BY_STATE)),
+    (2, _statements(_RESULTS)),  # what an ended attempt left, read once
+    (3, _statements(_DIGESTS)),  # a running attempt's telemetry folded so far
+    (4, _statements(_EXCLUSIONS.format(if_missing=""))),  # the nodes a retry was kept off
+    (5, _statements(_PROVENANCE)),  # what each job runs
+    # Version 5 as first released made new files without the exclusions table (a rewrite of this
+    # file dropped it); a file that came from version 4 has it.
+    (6, _statements(_EXCLUSIONS.format(if_missing="IF NOT EXISTS"))),
+)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 class RegistryError(RuntimeError):
@@ -139,21 +161,6 @@ def default_path() -> Path:
     """``$SWITCHYARD_REGISTRY``, else ``~/.local/share/switchyard/registry.db``."""
     return Path(os.environ.get(REGISTRY_ENV) or DEFAULT_PATH).expanduser()
 
-
-def accepts(old_state: str, old_requeues: int, new_state: str, new_requeues: int) -> bool:
-    """May an attempt recorded in ``old_state`` be moved to ``new_state``?
-
-    A requeue (a higher restart count) starts a new life. Within one life, a final state
-    (COMPLETED, FAILED, ...) only gives way to another final one (SLURM correcting a task's own
-    report); anything else may change freely: a running job goes back to PENDING when SLURM
-    requeues it, and a TIMEOUT or PREEMPTED job may be requeued too. A stale live state written by
-    a slower reconciler is corrected by the next one; a stale end would never be, so ends win.
-    """
-    if new_requeues != old_requeues:
-        return new_requeues > old_requeues
-    return old_state not in FINAL_STATES or new_state in FINAL_STATES
-
-
 # ------------------------------------------------------------------------------------------------
 # Rows
 
@@ -167,6 +174,16 @@ class Sweep:
     sweep_dir: str
     executor: str
     entry_path: str
+
+
+# A single job (a jobs.train run, a switchyard run command, a submitted function) is recorded as a
+# sweep of one job, number SINGLE_NUM, with no saved sweep entry to resubmit it from.
+SINGLE_NUM = 0
+SINGLE_ENTRY = ""
+
+
+def is_single(entry_path: str) -> bool:
+    return entry_path == SINGLE_ENTRY
 
 
 @dataclass(frozen=True)
@@ -262,7 +279,6 @@ def damage_reported(path: Path) -> Iterator[None]:
     except sqlite3.DatabaseError as e:
         raise damaged(path, e) from e
 
-
 # ------------------------------------------------------------------------------------------------
 # The database
 
@@ -279,6 +295,9 @@ class Registry:
             self._db.row_factory = sqlite3.Row
             self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             self._init_schema()
+        except RegistryError:
+            self._db.close()
+            raise
         except sqlite3.OperationalError as e:  # not a damaged file: no permission, a directory...
             raise RegistryError(f"cannot open the sweep registry {self.path}: {e} (set "
                                 f"{REGISTRY_ENV} to use another file)") from e
@@ -286,15 +305,28 @@ class Registry:
             raise damaged(self.path, e) from e
 
     def _init_schema(self) -> None:
+        self._version()  # a newer file is refused before anything in it is changed
         self._use_wal()
         self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across app crashes
-        if self._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        if self._version() == SCHEMA_VERSION:
             return
         with self._write() as db:
-            # Statement by statement: executescript would COMMIT the transaction first.
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                db.execute(statement)  # IF NOT EXISTS: a second process getting here changes nothing
+            version = self._version()  # again, under the lock: another process may have migrated it
+            for to_version, step in MIGRATIONS:
+                if to_version > version:
+                    step(db)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _version(self) -> int:
+        """The file's schema version; one written by a newer Switchyard is refused, not relabelled
+        (its tables may mean what this version cannot know)."""
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise RegistryError(
+                f"the sweep registry {self.path} was written by a newer Switchyard (registry version "
+                f"{version}; this one reads versions up to {SCHEMA_VERSION}): run the newer Switchyard, "
+                f"or set {REGISTRY_ENV} to another file for this one")
+        return version
 
     def _use_wal(self) -> None:
         """WAL is a property of the file, set once; changing it needs a moment alone with the file.
@@ -603,210 +635,3 @@ def _merge(row: dict[str, Any], o: Observation) -> dict[str, Any]:
         if value is not None:
             merged[key] = value
     return merged
-
-
-# ------------------------------------------------------------------------------------------------
-# What tasks write instead of touching the database
-
-
-@dataclass(frozen=True)
-class TaskStatus:
-    """One attempt's own report, written by its rank 0 into RUN/.switchyard/attempts/JOBID.json.
-
-    Written when the task starts (again after each requeue) and when it ends; the file is replaced
-    atomically, so a reader sees the old report or the new one, never half of one.
-    """
-
-    job_id: str
-    started_at: float
-    restarts: int = 0  # SLURM_RESTART_COUNT: 0 on the first run
-    node: str | None = None
-    ended_at: float | None = None
-    exit_code: int | None = None  # 0: the task function returned; 1: it raised; else sys.exit code
-    error: str | None = None  # the exception, one line
-
-    @staticmethod
-    def path(run_dir: str | Path, job_id: str) -> Path:
-        return Path(run_dir) / ".switchyard" / "attempts" / f"{job_id}.json"
-
-    def write(self, run_dir: str | Path) -> None:
-        # No directory fsync: the next start or end rewrites it, and SLURM has the state anyway.
-        atomic.write_json(self.path(run_dir, self.job_id), self.__dict__, durable=False)
-
-    @classmethod
-    def read(cls, run_dir: str | Path, job_id: str) -> TaskStatus | None:
-        # os.path, not pathlib: reconciliation reads one per unsettled attempt, thousands per call
-        path = os.path.join(run_dir, ".switchyard", "attempts", f"{job_id}.json")
-        try:
-            with open(path, "rb") as f:
-                return cls(**json.loads(f.read()))
-        except (OSError, ValueError, TypeError):
-            return None
-
-
-# ------------------------------------------------------------------------------------------------
-# Reconciliation: one batched SLURM query + the tasks' status files -> one transaction
-
-STALE_CLAIM_S = 600.0  # a SUBMITTING claim this old: its submitter died before sbatch answered
-SILENT_AFTER_S = 300.0  # SLURM (sacct and squeue) silent about a job this old: it is long gone
-_ARRAY_TASK = re.compile(r"^(\d+)_(\d+)$")
-_ARRAY_RANGE = re.compile(r"^(\d+)_\[([\d,\-]+)(?:%\d+)?\]$")  # pending tasks, folded: 27_[2-5,7%2]
-
-
-def expand_array_states(states: dict[str, str]) -> dict[str, str]:
-    """``{"27_[2-3%1]": "PENDING", "27_0": "RUNNING"}`` -> one entry per task id.
-
-    sacct and squeue fold an array's not-yet-started tasks into one bracketed entry; a task
-    listed on its own line wins over the folded range.
-    """
-    out: dict[str, str] = {}
-    for key, state in states.items():
-        match = _ARRAY_RANGE.match(key)
-        if match is None:
-            continue
-        for part in match.group(2).split(","):
-            lo, _, hi = part.partition("-")
-            for index in range(int(lo), int(hi or lo) + 1):
-                out[f"{match.group(1)}_{index}"] = state
-    out.update({k: v for k, v in states.items() if _ARRAY_RANGE.match(k) is None})
-    return out
-
-
-def base_id(slurm_id: str) -> str:
-    """The id SLURM is asked about: the array's for an array task, else the job's own."""
-    return slurm_id.split("_", 1)[0]
-
-
-QUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"})
-
-
-def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, settled: bool,
-          now: float) -> Observation | None:
-    """What an attempt's state is now, from what SLURM (or the local process table) reported,
-    what the task wrote, and whether its array has finished entirely; None when nothing is known.
-
-    SLURM's terminal states win (a rank other than 0 can fail the job). A task's own end report
-    makes the attempt COMPLETING while SLURM still calls it live (sacct lags the end by seconds,
-    and a job requeued while it finished will run again), and ends it only when SLURM has no
-    record to contradict it. Back in the queue, the report is a previous life's and is set aside.
-    """
-    fields: dict[str, Any] = {}
-    if status is not None:
-        fields = {"requeues": status.restarts, "started_at": status.started_at, "node": status.node,
-                  "ended_at": status.ended_at, "exit_code": status.exit_code, "error": status.error}
-    ended = status is not None and status.ended_at is not None
-    if reported in TERMINAL_STATES:
-        state = str(reported)
-        if state == "COMPLETED" and fields.get("exit_code") is None:
-            fields["exit_code"] = 0
-    elif reported in QUEUED_STATES:
-        state = str(reported)
-        fields = {k: v for k, v in fields.items() if k not in ("ended_at", "exit_code", "error")}
-    elif ended and status is not None:
-        state = "COMPLETING" if reported is not None else \
-            "COMPLETED" if status.exit_code == 0 else "FAILED"
-    elif reported is not None:
-        state = reported
-    elif settled:
-        state = "FAILED" if status is not None else "CANCELLED"
-        fields["error"] = ("ended without a status report (killed, or its node failed)"
-                           if status is not None else "never started (cancelled while pending)")
-        fields["ended_at"] = fields.get("ended_at") or now
-    elif status is not None:
-        state = "RUNNING"
-    elif attempt.state == SUBMITTING and now - attempt.submitted_at > STALE_CLAIM_S:
-        return Observation(attempt.id, SUBMIT_FAILED, error="the submitting process stopped "
-                           "before sbatch answered")
-    else:
-        return None
-    return Observation(attempt.id, state, **{k: v for k, v in fields.items() if v is not None})
-
-
-def _slurm_reports(attempts: Sequence[Attempt], now: float
-                   ) -> tuple[dict[str, str], set[str], set[str], list[str]]:
-    """One batched query for every array: (state per task id, ids whose array has settled, ids
-    SLURM did not answer for, one warning per part of the query that failed)."""
-    from orchestrator.launch import slurm_query  # subprocess only; imported late to keep `status` light
-
-    bases = sorted({base_id(a.slurm_id) for a in attempts if a.slurm_id})
-    if not bases:
-        return {}, set(), set(), []
-    reply = slurm_query.query_states(bases)
-    reported = expand_array_states(reply.states)
-    # The reply indexed once by array: each attempt then looks up its own (was a scan per attempt).
-    by_array: dict[str, list[str]] = {}
-    for task, state in reported.items():
-        by_array.setdefault(base_id(task), []).append(state)
-    array_ended = {base: all(s in TERMINAL_STATES for s in states) for base, states in by_array.items()}
-    settled, unanswered = set(), set()
-    for a in attempts:
-        if not a.slurm_id:
-            continue
-        base = base_id(a.slurm_id)
-        if base not in reply.answered:
-            unanswered.add(a.slurm_id)  # silence here is not SLURM's: conclude nothing from it
-        elif array_ended.get(base, False) or \
-                (base not in by_array and now - a.submitted_at > SILENT_AFTER_S):
-            settled.add(a.slurm_id)
-    warnings = [f"SLURM did not answer, so {len(unanswered)} job(s) may show an old state "
-                f"({error})" for error in reply.errors[:3]]
-    return reported, settled, unanswered, warnings
-
-
-def _local_reports(attempts: Sequence[Attempt]) -> tuple[dict[str, str], set[str]]:
-    """Local jobs have no queue: the submitit controller's pid is alive (running) or not."""
-    reported, settled = {}, set()
-    for a in attempts:
-        if not a.slurm_id:
-            continue
-        if _pid_alive(int(a.slurm_id)):
-            reported[a.slurm_id] = "RUNNING"
-        else:
-            settled.add(a.slurm_id)
-    return reported, settled
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (our own child that ended, not yet reaped) is not running.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-@dataclass(frozen=True)
-class Reconciled:
-    changed: int  # attempts whose record changed
-    warnings: list[str]  # what could not be asked (a failed sacct): the user must see it
-
-
-def reconcile(registry: Registry, sweep_ids: Sequence[int] | None = None,
-              nums: Sequence[int] | None = None) -> Reconciled:
-    """Bring every unsettled attempt of these sweeps (all when None), or of these jobs of them,
-    up to date."""
-    now = time.time()
-    unsettled = registry.unsettled(sweep_ids, nums)
-    slurm = [u.attempt for u in unsettled if u.executor == "slurm"]
-    local = [u.attempt for u in unsettled if u.executor != "slurm"]
-    # Ask SLURM (or the process table) first, read the status files after: a task that ended in
-    # between then shows its end report, never "gone without one".
-    reported, settled, unanswered, warnings = _slurm_reports(slurm, now)
-    local_reported, local_settled = _local_reports(local)
-    reported.update(local_reported)
-    settled |= local_settled
-    observations = []
-    for u in unsettled:
-        a = u.attempt
-        if a.slurm_id in unanswered:
-            continue  # left as recorded until SLURM answers; the warning says so
-        status = TaskStatus.read(u.run_dir, a.slurm_id) if a.slurm_id else None
-        seen = infer(a, reported.get(a.slurm_id or ""), status, (a.slurm_id or "") in settled, now)
-        if seen is not None:
-            observations.append(seen)
-    return Reconciled(registry.observe(observations) if observations else 0, warnings)

@@ -16,20 +16,28 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
+
+import submitit
+from submitit.local.local import LocalJob
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig
-from orchestrator.launch import provenance
-from orchestrator.sweeps.registry import Job, Observation, Registry, RegistryError, Submitted, TaskStatus
-
-if TYPE_CHECKING:
-    import submitit
+from orchestrator.launch import provenance, submit
+from orchestrator.registry.db import (
+    SINGLE_ENTRY,
+    SINGLE_NUM,
+    Job,
+    Observation,
+    Registry,
+    RegistryError,
+    Submitted,
+)
+from orchestrator.registry.status_file import TaskStatus
 
 R = TypeVar("R")
 
 POINT_DIR = ".switchyard"  # as a sweep point's: RUN/.switchyard/config.yaml
-SINGLE_NUM = 0  # the one job of a single job's "sweep"
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
     atomic.write_text(Path(run_dir) / POINT_DIR / "config.yaml", config_yaml)
     with Registry(registry_path) as registry:
         sweep_id = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
-                                         executor=executor, entry_path="")
+                                         executor=executor, entry_path=SINGLE_ENTRY)
         registry.add_jobs([Job(sweep_id, SINGLE_NUM, overrides, str(run_dir), {}, None)])
         if (origin := provenance.read(run_dir)) is not None:  # written at submission (at_submission)
             registry.record_provenance(sweep_id, {SINGLE_NUM: origin})
@@ -70,10 +78,7 @@ def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Pa
     """``record`` for a job just queued (``announce``: print its id); a registry that cannot take
     it is a warning, not an error: the job runs anyway, and says so. A debug job (this process,
     no scheduler) is not recorded: None."""
-    from submitit import DebugJob  # here: `switchyard status` imports this module, light
-    from submitit.local.local import LocalJob
-
-    if isinstance(job, DebugJob):
+    if isinstance(job, submitit.DebugJob):
         return None
     executor = "local" if isinstance(job, LocalJob) else "slurm"
     try:
@@ -91,8 +96,6 @@ def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[
            ) -> list[R] | None:
     """After a single job's submission: on SLURM say where it is, then (unless
     ``cluster.wait=false``: None) watch it while it pends and return every rank's result."""
-    from orchestrator.launch import submit
-
     if cluster.mode == "slurm":
         print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
         if not cluster.wait:
@@ -105,8 +108,6 @@ def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[
 
 def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path) -> list[R]:
     """``submit.results``, and the end it saw recorded in the registry."""
-    from orchestrator.launch import submit
-
     try:
         values = submit.results(job, run_dir)
     except submit.JobFailedError as e:
@@ -127,7 +128,3 @@ def finish(recorded: Recorded, state: str, exit_code: int | None, error: str | N
                                       started_at=status.started_at if status else None,
                                       node=status.node if status else None, ended_at=time.time(),
                                       exit_code=exit_code, error=error[-2000:] if error else None)])
-
-
-def is_single(entry_path: str) -> bool:
-    return entry_path == ""

@@ -17,21 +17,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator.sweeps.registry import (
-    SUBMIT_FAILED,
-    SUBMITTED,
-    SUBMITTING,
-    Attempt,
-    Job,
-    Observation,
-    Registry,
-    Submitted,
-    TaskStatus,
-    accepts,
-    expand_array_states,
-    infer,
-    reconcile,
-)
+from orchestrator.launch import slurm_query
+from orchestrator.registry.db import Attempt, Job, Observation, Registry, Submitted
+from orchestrator.registry.reconciliation import expand_array_states, infer, reconcile
+from orchestrator.registry.states import SUBMIT_FAILED, SUBMITTED, SUBMITTING, accepts
+from orchestrator.registry.status_file import TaskStatus
 
 NUM_PROCS = 100
 CTX = mp.get_context("fork")  # 100 processes start in well under a second
@@ -230,7 +220,7 @@ def _task_ends(run_dir: str, job_id: str) -> None:
 def _reconcile(path: str, sweep_id: int) -> None:
     with Registry(path) as reg:
         for _ in range(5):
-            reconcile(reg, [sweep_id])
+            reconcile(reg, [sweep_id], ask_slurm=slurm_query.query_states)
 
 
 def test_a_hundred_tasks_ending_at_once_while_four_reconcilers_run_are_all_recorded(
@@ -259,7 +249,7 @@ def test_a_hundred_tasks_ending_at_once_while_four_reconcilers_run_are_all_recor
         found.append(errors.get())
     assert found == [] and all(p.exitcode == 0 for p in [*tasks, *reconcilers])
     with Registry(path) as reg:
-        reconcile(reg, [sweep_id])
+        reconcile(reg, [sweep_id], ask_slurm=slurm_query.query_states)
         latest = reg.latest_attempts(sweep_id)
     assert {a.state for a in latest.values()} == {"COMPLETED"}
     assert all(a.exit_code == 0 and a.node == "n1" and a.ended_at for a in latest.values())
