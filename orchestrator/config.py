@@ -236,10 +236,19 @@ class ClusterConfig:
                               "auto (from the saves the last run in the run directory measured)",
                               "cluster.signal_delay_s=auto, or cluster.signal_delay_s=120")
             return
-        if self.signal_delay_s < 0 or self.signal_delay_s >= self.timeout_min * 60:
+        limit_s = self.timeout_min * 60
+        if self.signal_delay_s < 0 or self.signal_delay_s >= limit_s:
+            longer = (f", or cluster.timeout_min={-(-self.signal_delay_s // 60) + 1}"
+                      if self.signal_delay_s > 0 else "")
             raise invalid("cluster.signal_delay_s", self.signal_delay_s,
-                          f"must be between 0 and the time limit ({self.timeout_min * 60} s)",
-                          "cluster.signal_delay_s=120, or cluster.signal_delay_s=auto")
+                          f"must be between 0 and the time limit ({limit_s} s)",
+                          f"cluster.signal_delay_s={signal_delay_within(limit_s)}{longer}")
+
+
+def signal_delay_within(limit_s: int) -> int:
+    """A lead time to propose under a time limit of ``limit_s``: the default, or half the limit
+    when the default does not fit below it."""
+    return min(DEFAULT_SIGNAL_DELAY_S, limit_s // 2)
 
 
 _JOB_REF = r"\d+(?:_\d+)?(?:\+\d+)?"  # 1234, an array task 1234_7, and a +time delay
