@@ -488,7 +488,7 @@ def open_text(path: Path, cfg: PrepareConfig) -> Source:
 
     def attributes() -> dict[str, Any]:
         return {"tokenizer": tokenizer.attributes(), "num_documents": count.num_documents,
-                "num_tokens": count.num_tokens}
+                "num_tokens": count.num_tokens, "max_token_id": count.max_token_id}
 
     files = {} if tokenizer.json_bytes is None else {TOKENIZER_FILE: tokenizer.json_bytes}
     return Source("text", path, num_documents, lambda stack: token_samples(corpus, tokenizer, count),
