@@ -1,4 +1,7 @@
-"""Images for ``jobs.prepare format=image_folder``: ``DIR/<class>/*.png|jpg|jpeg|npy``.
+"""Images for ``jobs.prepare format=image_folder``: ``DIR/<class>/*``, every format Pillow reads
+(``.png``, ``.jpg``, ``.webp``, ``.bmp``, ``.tiff``, ``.gif``, ...) and ``.npy`` arrays. Anything else
+in the folder (a ``notes.txt``, a nested folder) is counted and named when the dataset is written,
+never skipped silently.
 
 Each image becomes ``x``, channels first as torch expects (``uint8 [C, H, W]``: grayscale C=1,
 RGB C=3, RGBA C=4), and ``y``, the int64 index of its class folder in sorted name order. Every
@@ -9,6 +12,8 @@ A ``.npy`` file is stored as it is (any dtype), a 2-D array as one channel ``[1,
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +21,28 @@ import numpy as np
 from orchestrator.config import invalid
 from sharding.format import DatasetError, describe_array
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".npy")
+NAMED_SKIPPED = 5  # entries a note names; the rest are counted
 # Pillow modes stored as they are (channels: L 1, LA 2, RGB 3, RGBA 4), and those converted first.
 KEPT_MODES = ("L", "LA", "RGB", "RGBA")
 CONVERTED_MODES = {"1": "L", "CMYK": "RGB", "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB"}
 
 
+@functools.cache
+def image_suffixes() -> frozenset[str]:
+    """``.npy`` and every suffix Pillow registers a decoder for, but its stubs (``.h5``, ``.grib``,
+    ``.wmf``: they decode nothing without a handler of the user's). Listed by hand, the folder's
+    ``.webp`` and ``.bmp`` images were skipped without a word."""
+    from PIL import Image, ImageFile  # deferred: only image inputs need Pillow
+
+    Image.init()
+    stub = {name for name, (factory, _) in Image.OPEN.items()
+            if inspect.isclass(factory) and issubclass(factory, ImageFile.StubImageFile)}
+    return frozenset({".npy"} | {suffix for suffix, name in Image.registered_extensions().items()
+                                 if name in Image.OPEN and name not in stub})
+
+
 def is_image(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+    return path.suffix.lower() in image_suffixes() and path.is_file()
 
 
 def looks_like_image_folder(path: Path) -> bool:
@@ -39,22 +58,43 @@ def class_folders(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def list_images(path: Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    """(class names, (file, label) per image), class by class in sorted order, files sorted by
-    name; a class folder without images is refused (dropping it would shift every later label)."""
+def list_images(path: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path]]:
+    """(class names, (file, label) per image, what is not read): classes in sorted order, files
+    sorted by name. A class folder without images is refused (dropping it would shift every later
+    label); anything else the folder holds (a file that is no image, a nested or hidden folder, a
+    file beside the class folders) is returned, for the user to be told."""
     folders = class_folders(path)
     if not folders:
         raise invalid("input", str(path), "has no class folders (DIR/<class>/*.png)",
                       "input=/path/to/DIR holding one folder per class")
     items: list[tuple[Path, int]] = []
+    skipped = sorted(set(path.iterdir()) - set(folders))
     for label, folder in enumerate(folders):
-        files = sorted(p for p in folder.iterdir() if is_image(p))
+        entries = sorted(folder.iterdir())
+        files = [p for p in entries if is_image(p)]
+        skipped += sorted(set(entries) - set(files))
         if not files:
-            raise invalid("input", str(path), f"class folder {folder.name!r} has no "
-                                              f"{'/'.join(IMAGE_SUFFIXES)} files",
+            raise invalid("input", str(path), f"class folder {folder.name!r} has no images "
+                          f"(files Pillow reads, or .npy){skipped_text(path, skipped, ': it holds ')}",
                           f"add its images, or move {folder} out")
         items += [(f, label) for f in files]
-    return [f.name for f in folders], items
+    return [f.name for f in folders], items, skipped
+
+
+def skipped_text(root: Path, skipped: list[Path], lead: str) -> str:
+    """``lead`` and the first entries of ``skipped``, relative to ``root``; empty for none."""
+    if not skipped:
+        return ""
+    named = ", ".join(str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in skipped[:NAMED_SKIPPED])
+    more = f" and {len(skipped) - NAMED_SKIPPED} more" if len(skipped) > NAMED_SKIPPED else ""
+    return f"{lead}{named}{more}"
+
+
+def skipped_note(root: Path, skipped: list[Path]) -> str:
+    """The line jobs.prepare prints after the dataset is written: what it did not read."""
+    return skipped_text(root, skipped, f"skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} "
+                        f"of {root} that {'is' if len(skipped) == 1 else 'are'} not an image in a "
+                        f"class folder (Pillow's formats, or .npy): ")
 
 
 def load_image(path: Path) -> np.ndarray:

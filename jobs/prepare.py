@@ -40,7 +40,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
-from jobs.image_folder import check_same_shape, list_images, load_image, looks_like_image_folder
+from jobs.image_folder import (
+    check_same_shape,
+    list_images,
+    load_image,
+    looks_like_image_folder,
+    skipped_note,
+)
 from jobs.text_corpus import (
     TOKENIZER_FILE,
     Corpus,
@@ -449,7 +455,7 @@ def open_megatron(prefix: Path, field: str) -> Source:
 def open_image_folder(path: Path, num_workers: int) -> Source:
     """``DIR/<class>/*`` -> ``x`` uint8 ``[C, H, W]`` and ``y`` int64 (``jobs/image_folder.py``);
     the class names, in label order, go into the manifest's attributes."""
-    classes, items = list_images(path)
+    classes, items, skipped = list_images(path)
     files = [f for f, _ in items]
 
     def open_samples(stack: contextlib.ExitStack) -> Iterator[Sample]:
@@ -461,7 +467,7 @@ def open_image_folder(path: Path, num_workers: int) -> Source:
         return _image_samples(images, items)
 
     return Source("image_folder", path, len(items), open_samples, lambda k: f"file {files[k]}",
-                  attributes=lambda: {"classes": classes})
+                  attributes=lambda: {"classes": classes}, note=lambda: skipped_note(path, skipped))
 
 
 def _image_samples(images: Iterator[np.ndarray], items: list[tuple[Path, int]]
@@ -488,7 +494,7 @@ def open_text(path: Path, cfg: PrepareConfig) -> Source:
 
     def attributes() -> dict[str, Any]:
         return {"tokenizer": tokenizer.attributes(), "num_documents": count.num_documents,
-                "num_tokens": count.num_tokens}
+                "num_tokens": count.num_tokens, "max_token_id": count.max_token_id}
 
     files = {} if tokenizer.json_bytes is None else {TOKENIZER_FILE: tokenizer.json_bytes}
     return Source("text", path, num_documents, lambda stack: token_samples(corpus, tokenizer, count),
@@ -547,7 +553,7 @@ def input_bytes(kind: str, path: Path) -> int:
     if kind == "megatron":
         return Path(f"{path}.bin").stat().st_size
     if kind == "image_folder":  # a lower bound: compressed images decode to more
-        _, items = list_images(path)
+        _, items, _ = list_images(path)
         return sum(f.stat().st_size for f, _ in items)
     if path.is_dir():
         return sum(f.stat().st_size for f in path.glob("*.npy"))

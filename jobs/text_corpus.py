@@ -261,6 +261,7 @@ class TokenCount:
 
     num_documents: int = 0
     num_tokens: int = 0  # EOS included: the length of all documents packed back to back
+    max_token_id: int = 0  # the largest id written: a model's vocabulary must exceed it
     current: str = ""  # where the document last handed to the writer came from
 
 
@@ -289,5 +290,6 @@ def _with_eos(batch: list[tuple[str, str]], tokenizer: TextTokenizer, dtype: np.
         tokens[-1] = tokenizer.eos_id
         count.num_documents += 1
         count.num_tokens += len(tokens)
+        count.max_token_id = max(count.max_token_id, int(tokens.max()))
         count.current = where
         yield {TEXT_FIELD: tokens}

@@ -13,6 +13,7 @@ import difflib
 import importlib
 import math
 import re
+import struct
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,24 +33,68 @@ def invalid(key: str, value: object, why: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={value!r} is invalid: {why} (try {fix})")
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: torch turns larger numbers into inf
+YEAR_S = 365 * 24 * 3600.0  # no wait or timeout of a job is longer (threading's own limit is ~292 years)
+
+
+class Range(typing.NamedTuple):
+    """The values a float field may take. Every float field has one, the default ``>= 0``: no
+    float of a config means anything negative (a rate, a size, a timeout, a probability)."""
+
+    low: float = 0.0
+    high: float = math.inf  # besides: a float32 (check_floats)
+    low_open: bool = False  # low itself is refused: > low
+    high_open: bool = False  # high itself is refused: < high
+    high_is: str = ""  # what the high bound is, in words ("a year")
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def text(self) -> str:
+        low = f"{'>' if self.low_open else '>='} {self.low:.15g}"
+        if self.high == math.inf:
+            return f"must be {low}"
+        high = f"{'<' if self.high_open else '<='} {self.high:.15g}"
+        return f"must be {low} and {high}{f', {self.high_is}' if self.high_is else ''}"
+
+
+WITHIN_A_YEAR = Range(0, YEAR_S, low_open=True, high_is="a year")  # a duration in seconds
+
+
+def ranged(default: float | None, values: Range) -> Any:
+    """A float field with the range of values it means something for (``check_floats``)."""
+    return field(default=default, metadata={"range": values})
+
+
 def check_floats(group: Any, prefix: str) -> None:
-    """Every float field of the dataclass ``group`` is finite and >= 0, checked before its own
-    ranges: NaN compares false with everything, so ``lr <= 0`` let ``optim.lr=nan`` through and a
-    run trained on NaN; ``int(nan)`` was a traceback. Found from the annotations, so a new float
-    field is covered without anyone remembering to add it here. No float field of a config means
-    anything negative (a rate, a size, a timeout, a probability); a signed one would need an
-    exception here."""
+    """Every float field of the dataclass ``group`` is finite, within its ``Range`` (declared
+    with ``ranged``; else >= 0), and a float32 that neither overflows nor rounds to 0, which is
+    what torch makes of it on the ranks: ``optim.lr=1e308`` was finite in Python and failed on
+    every rank (``value cannot be converted to type float without overflow``). Checked before
+    each group's own checks: NaN compares false with everything, so ``lr <= 0`` let
+    ``optim.lr=nan`` through. Found from the annotations, so a new float field is covered without
+    anyone remembering to add it here."""
     hints = typing.get_type_hints(type(group))
     for f in dataclasses.fields(group):
         value = getattr(group, f.name)
         if not _is_float_field(hints[f.name]) or not isinstance(value, (int, float)):
             continue
         default = None if f.default is dataclasses.MISSING else f.default
-        fix = f"{prefix}{f.name}={'null' if default is None else default}"
+        key, fix = f"{prefix}{f.name}", f"{prefix}{f.name}={'null' if default is None else default}"
+        values = f.metadata.get("range", Range())
         if not math.isfinite(value):
-            raise invalid(f"{prefix}{f.name}", value, "must be a finite number", fix)
-        if value < 0:
-            raise invalid(f"{prefix}{f.name}", value, "must be >= 0", fix)
+            raise invalid(key, value, "must be a finite number", fix)
+        if not values.holds(value):
+            raise invalid(key, value, values.text(), fix)
+        if value > FLOAT32_MAX or (value != 0 and _as_float32(value) == 0):
+            raise invalid(key, value, f"must be a float32, as torch holds it: at most "
+                          f"{FLOAT32_MAX:.4g}, and 0 or at least 1.4e-45 (less rounds to 0)", fix)
+
+
+def _as_float32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _is_float_field(hint: Any) -> bool:
@@ -143,14 +188,11 @@ class SnapshotConfig:
     enabled: bool = True  # false: the job imports whatever is in the working tree when it starts
     include: list[str] = field(default_factory=list)  # further directories or files to copy, by path
     exclude: list[str] = field(default_factory=lambda: list(SNAPSHOT_EXCLUDES))  # names (globs) never copied
-    max_mb: float = 100.0  # a snapshot larger than this is refused, naming its largest files
+    max_mb: float = ranged(100.0, Range(low_open=True))  # a larger one is refused, naming its largest files
     dir: str | None = None  # the store; null: ~/.cache/switchyard/snapshots (must be shared with the nodes)
 
     def __post_init__(self) -> None:
         check_floats(self, "cluster.snapshot.")
-        if not self.max_mb > 0:
-            raise invalid("cluster.snapshot.max_mb", self.max_mb, "must be > 0 (MiB)",
-                          "cluster.snapshot.max_mb=100")
 
 
 @dataclass
@@ -167,7 +209,8 @@ class ClusterConfig:
     comment: str | None = None
     timeout_min: int = 60  # SLURM time limit of each job, in minutes
     mem_gb: float | None = None  # per node; None: the partition's default
-    gpu_mem_gb: float | None = None  # GiB of each GPU, for the memory estimate; None: found or unknown
+    gpu_mem_gb: float | None = ranged(None, Range(low_open=True))  # GiB of each GPU, for the memory
+    # estimate; None: found or unknown
     cpus_per_task: int = 1
     # SIGUSR2 this long before the time limit: checkpoint and requeue. auto: from the slowest
     # checkpoint save the last run in the same run directory measured (orchestrator/launch/signal_delay.py)
@@ -183,8 +226,9 @@ class ClusterConfig:
     dry_run: bool = False  # slurm: print the sbatch script and the job's directory, queue nothing
     sbatch_args: list[str] = field(default_factory=list)  # further #SBATCH options: ["--mail-type=END"]
     dependency: str | None = None  # sbatch --dependency, e.g. afterok:1234 (prepare -> train -> eval)
-    rendezvous_timeout_s: float = 180.0  # how long ranks wait to find rank 0 before failing
-    collective_timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
+    rendezvous_timeout_s: float = ranged(180.0, WITHIN_A_YEAR)  # ranks wait this long for rank 0
+    # A collective that waits longer fails instead of hanging.
+    collective_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # slurm: the code the job runs
 
     def __post_init__(self) -> None:
@@ -211,9 +255,6 @@ class ClusterConfig:
         if self.mem_gb is not None and int(self.mem_gb * 1024) < 1:  # sbatch reads --mem=0 as "all of it"
             raise invalid("cluster.mem_gb", self.mem_gb, "must be at least 1 MiB (0.001); sbatch would "
                           "read the 0M it rounds to as the whole node's memory", "cluster.mem_gb=null")
-        if self.gpu_mem_gb is not None and self.gpu_mem_gb <= 0:
-            raise invalid("cluster.gpu_mem_gb", self.gpu_mem_gb, "must be > 0 (GiB of each GPU)",
-                          "cluster.gpu_mem_gb=80, or cluster.gpu_mem_gb=null to find it")
         for key in ("timeout_min", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")
@@ -224,9 +265,6 @@ class ClusterConfig:
         if self.max_excluded_nodes < 0:
             raise invalid("cluster.max_excluded_nodes", self.max_excluded_nodes, "must be >= 0 (0: a "
                           "retry may land on any node)", "cluster.max_excluded_nodes=2")
-        for key in ("rendezvous_timeout_s", "collective_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise invalid(f"cluster.{key}", getattr(self, key), "must be > 0", f"cluster.{key}=180")
 
     def _check_signal_delay(self) -> None:
         """A number of seconds below the time limit, or ``auto`` (a number once submitted)."""
@@ -236,10 +274,19 @@ class ClusterConfig:
                               "auto (from the saves the last run in the run directory measured)",
                               "cluster.signal_delay_s=auto, or cluster.signal_delay_s=120")
             return
-        if self.signal_delay_s < 0 or self.signal_delay_s >= self.timeout_min * 60:
+        limit_s = self.timeout_min * 60
+        if self.signal_delay_s < 0 or self.signal_delay_s >= limit_s:
+            longer = (f", or cluster.timeout_min={-(-self.signal_delay_s // 60) + 1}"
+                      if self.signal_delay_s > 0 else "")
             raise invalid("cluster.signal_delay_s", self.signal_delay_s,
-                          f"must be between 0 and the time limit ({self.timeout_min * 60} s)",
-                          "cluster.signal_delay_s=120, or cluster.signal_delay_s=auto")
+                          f"must be between 0 and the time limit ({limit_s} s)",
+                          f"cluster.signal_delay_s={signal_delay_within(limit_s)}{longer}")
+
+
+def signal_delay_within(limit_s: int) -> int:
+    """A lead time to propose under a time limit of ``limit_s``: the default, or half the limit
+    when the default does not fit below it."""
+    return min(DEFAULT_SIGNAL_DELAY_S, limit_s // 2)
 
 
 _JOB_REF = r"\d+(?:_\d+)?(?:\+\d+)?"  # 1234, an array task 1234_7, and a +time delay
@@ -499,12 +546,6 @@ ON_NONFINITE = ("stop", "skip")
 POLICIES = ("pad", "drop")
 
 
-def check_dropout(model: GptConfig | TransformerConfig) -> None:
-    check_floats(model, "model.")
-    if model.dropout > 1:  # a probability; torch refuses it only when the rank builds the model
-        raise invalid("model.dropout", model.dropout, "must be between 0 and 1", "model.dropout=0.1")
-
-
 @dataclass
 class MlpConfig:
     """Row-pooling MLP: embeds each row, masked mean over rows, then an MLP head."""
@@ -523,10 +564,10 @@ class GptConfig:
     num_heads: int = 4
     num_layers: int = 4
     ff_mult: int = 4  # feed-forward width = ff_mult x d_model
-    dropout: float = 0.0
+    dropout: float = ranged(0.0, Range(0, 1))  # a probability: torch refuses more only on the ranks
 
     def __post_init__(self) -> None:
-        check_dropout(self)
+        check_floats(self, "model.")
 
 
 @dataclass
@@ -561,10 +602,10 @@ class TransformerConfig:
     num_heads: int = 4
     num_layers: int = 2
     ff_dim: int = 128
-    dropout: float = 0.0
+    dropout: float = ranged(0.0, Range(0, 1))  # a probability: torch refuses more only on the ranks
 
     def __post_init__(self) -> None:
-        check_dropout(self)
+        check_floats(self, "model.")
 
 
 @dataclass
@@ -609,9 +650,9 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | sgd
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # sgd only
+    lr: float = ranged(3e-3, Range(0, 10, low_open=True))  # more than 10 diverges at once
+    weight_decay: float = ranged(0.0, Range(0, 1))  # decoupled (adamw): each step scales by 1 - lr x this
+    momentum: float = ranged(0.9, Range(0, 1, high_open=True))  # sgd only; 1 or more never decays
     schedule: str = "constant"  # constant | cosine | linear (decay to 0 at max_steps)
     warmup_steps: int = 0
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP syncs only on the last
@@ -633,12 +674,10 @@ class OptimConfig:
         if self.on_nonfinite not in ON_NONFINITE:
             raise invalid("optim.on_nonfinite", self.on_nonfinite, f"choose one of {ON_NONFINITE}",
                           "optim.on_nonfinite=stop")
-        if self.lr <= 0:
-            raise invalid("optim.lr", self.lr, "must be > 0", "optim.lr=1e-3")
         for key in ("grad_accum_steps", "max_steps"):
             if getattr(self, key) < 1:
                 raise invalid(f"optim.{key}", getattr(self, key), "must be >= 1", f"optim.{key}=1")
-        if self.warmup_steps < 0:  # clip_grad_norm and weight_decay: check_floats
+        if self.warmup_steps < 0:  # lr, clip_grad_norm, weight_decay, momentum: check_floats
             raise invalid("optim.warmup_steps", self.warmup_steps, "must be >= 0", "optim.warmup_steps=0")
 
 
@@ -696,12 +735,11 @@ class TelemetryConfig:
     """Memory over time: per GPU through NVML, or per rank's RSS/USS without an NVIDIA driver."""
 
     enabled: bool = True
-    interval_s: float = 5.0  # a sample: ~0.1 ms without NVML, ~9 ms through NVML on an H100 node
+    # a sample: ~0.1 ms without NVML, ~9 ms through NVML on an H100 node
+    interval_s: float = ranged(5.0, WITHIN_A_YEAR)
 
     def __post_init__(self) -> None:
         check_floats(self, "telemetry.")
-        if not self.interval_s > 0:
-            raise invalid("telemetry.interval_s", self.interval_s, "must be > 0", "telemetry.interval_s=5")
 
 
 @dataclass

@@ -86,9 +86,45 @@ class TokenWindows(Dataset[Batch]):
             out[filled:filled + take] = tokens[offset:offset + take]
             filled, offset, doc = filled + take, 0, doc + 1
 
+    def largest_id(self) -> int:
+        """The largest token id, read from every shard: what an embedding of fewer rows would fail
+        on, on every rank. Each shard is read in blocks of documents, one vectorized gather and
+        max per block (a dataset of one field is its data file back to back, padding zeros: one
+        max per shard)."""
+        dataset, largest, first = self.dataset, 0, 0
+        dtype = np.dtype(dataset.schema[self.field].dtype)
+        for count in dataset.shard_counts:
+            if count:
+                sources, spots = dataset.spans(np.arange(first, first + count), [self.field])
+                data = sources[0]  # uint8 [data bytes] of this shard
+                tokens = data[:len(data) // dtype.itemsize * dtype.itemsize].view(dtype)  # [elements]
+                if list(dataset.schema) == [self.field]:
+                    largest = max(largest, int(tokens.max(initial=0)))
+                else:
+                    starts, lengths = spots[self.field]  # int64 [count] each: bytes, tokens
+                    largest = max(largest, _largest_in(tokens, starts // dtype.itemsize, lengths))
+            first += count
+        return largest
+
     def example(self) -> Batch:
         """One real window (the first), for a model's start-up and pre-submission checks."""
         return self.__getitems__([0])
+
+
+def _largest_in(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                block_tokens: int = 1 << 23) -> int:
+    """The largest of ``tokens[starts[k] : starts[k] + lengths[k]]`` over all k, gathered in blocks
+    of about ``block_tokens`` (int64 temporaries of 64 MiB at most, but for one longer document)."""
+    largest, k = 0, 0
+    ends = np.cumsum(lengths)  # int64 [D]: tokens up to each document's end
+    while k < len(starts):
+        stop = max(int(np.searchsorted(ends, ends[k] - lengths[k] + block_tokens, side="right")), k + 1)
+        block_lengths = lengths[k:stop]  # int64 [B]
+        before = np.cumsum(block_lengths) - block_lengths  # int64 [B]: block tokens before each
+        at = np.repeat(starts[k:stop] - before, block_lengths) + np.arange(int(block_lengths.sum()))
+        largest = max(largest, int(tokens[at].max(initial=0)))
+        k = stop
+    return largest
 
 
 def window_loader(windows: TokenWindows, sampler: ShardedSampler, batch_size: int, *,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import atomic
-from orchestrator.config import DEFAULT_SIGNAL_DELAY_S, ClusterConfig, ConfigError
+from orchestrator.config import DEFAULT_SIGNAL_DELAY_S, ClusterConfig, ConfigError, signal_delay_within
 
 # Seconds added to twice the slowest save: the stop waits for the next step boundary, and a
 # requeue's scontrol call must finish before SLURM's SIGKILL at the limit.
@@ -78,11 +78,17 @@ def choose(cluster: ClusterConfig, run_dir: Path) -> Choice:
     if cluster.signal_delay_s != "auto":
         return Choice(int(cluster.signal_delay_s), f"cluster.signal_delay_s={cluster.signal_delay_s}")
     slowest = last_slowest_save(run_dir)
+    limit_s = cluster.timeout_min * 60
     if slowest is None:
+        if limit_s <= DEFAULT_SIGNAL_DELAY_S:  # refused as auto: the user never typed the default
+            raise ConfigError(f"cluster.signal_delay_s='auto' is invalid here: no previous run in "
+                              f"{run_dir} measured a checkpoint save, so auto takes the default "
+                              f"{DEFAULT_SIGNAL_DELAY_S} s, and the time limit is {limit_s} s (try "
+                              f"cluster.signal_delay_s={signal_delay_within(limit_s)}, or cluster."
+                              f"timeout_min={math.ceil(DEFAULT_SIGNAL_DELAY_S / 60) + 1})")
         return Choice(DEFAULT_SIGNAL_DELAY_S, f"auto: no checkpoint save measured by a previous run in "
                       f"{run_dir}, so the default")
     seconds = fitting_s(slowest)
-    limit_s = cluster.timeout_min * 60
     if seconds >= limit_s:
         raise ConfigError(f"cluster.signal_delay_s='auto' is invalid here: the last run in {run_dir} "
                           f"saved a checkpoint in {slowest:.1f} s, so the signal would need {seconds} s "

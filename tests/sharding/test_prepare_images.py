@@ -91,9 +91,39 @@ def test_an_empty_class_folder_is_refused_before_output(tmp_path):
     root = tmp_path / "images"
     _folder(root, 3)
     (root / "emu").mkdir()
-    with pytest.raises(ConfigError, match=r"class folder 'emu' has no .png"):
+    with pytest.raises(ConfigError, match=r"class folder 'emu' has no images \(files Pillow reads, or "
+                                          r"\.npy\) \(try add its images"):
+        prepare(_config(root, tmp_path / "out", format="image_folder"))
+    (root / "emu" / "emu.txt").write_text("not an image")
+    with pytest.raises(ConfigError, match=r"class folder 'emu' has no images .*: it holds emu/emu.txt "):
         prepare(_config(root, tmp_path / "out", format="image_folder"))
     assert not (tmp_path / "out").exists()
+
+
+def test_every_format_pillow_reads_is_prepared_and_the_rest_is_named(tmp_path):
+    """Issue 34: 24 images on disk, 'wrote 4 samples', and no word of the .webp and .bmp skipped."""
+    root, rng = tmp_path / "images", np.random.default_rng(0)
+    expected = []
+    for label, name in enumerate(("cat", "dog")):
+        for suffix in (".png", ".webp", ".bmp", ".tiff", ".ppm", ".tga", ".gif"):
+            pixels = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+            path = root / name / f"img{suffix}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if suffix == ".gif":  # a palette of its own 30 colours: decoded exactly, as RGB
+                Image.fromarray(pixels).quantize(256).save(path)
+                pixels = np.asarray(Image.open(path).convert("RGB"))
+            else:
+                Image.fromarray(pixels).save(path, **({"lossless": True} if suffix == ".webp" else {}))
+            expected.append((path, pixels.transpose(2, 0, 1), label))
+    (root / "cat" / "notes.txt").write_text("a note")
+    (root / "dog" / "more").mkdir()
+    (root / "README.md").write_text("a readme")
+    result = prepare(_config(root, tmp_path / "out"))
+    assert result.num_samples == len(expected) == 14
+    _assert_holds(tmp_path / "out", [(x, y) for _, x, y in sorted(expected, key=lambda e: (e[2], e[0]))])
+    assert result.note == (f"skipped 3 entries of {root} that are not an image in a class folder "
+                           f"(Pillow's formats, or .npy): README.md, cat/notes.txt, dog/more/")
+    assert str(result).endswith(result.note)
 
 
 def test_a_file_that_is_no_image_is_named(tmp_path):

@@ -59,7 +59,7 @@ def test_bytes_tokenizer_round_trips_a_directory_of_real_text(corpus, tmp_path):
     ds = open_dataset(tmp_path / "out")
     assert dict(ds.attributes) == ds.manifest.attributes == {
         "tokenizer": {"kind": "bytes", "vocab_size": 257, "eos_id": 256, "file": None},
-        "num_documents": 3, "num_tokens": sum(len(t) for t in tokens)}
+        "num_documents": 3, "num_tokens": sum(len(t) for t in tokens), "max_token_id": 256}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         MANIFEST_NAME, "shard-00000.bin", "shard-00000.idx"]
     assert verify(tmp_path / "out") == []

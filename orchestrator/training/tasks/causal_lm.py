@@ -47,11 +47,30 @@ class CausalLm(Task):
 
     def check_dataset(self, key: str, ds: ShardedDataset) -> None:
         windows = self.windows(key, ds)
-        self.vocabulary(key, ds)
+        self.check_ids(key, ds, windows)
         if windows.num_windows < 1:
             raise ConfigError(f"data.seq_len={self.seq_len} is invalid: {key}={str(ds.root)!r} holds "
                               f"{windows.num_tokens} tokens, fewer than one window of seq_len + 1 "
                               f"(try data.seq_len={max(windows.num_tokens - 1, 1)})")
+
+    def check_ids(self, key: str, ds: ShardedDataset, windows: TokenWindows) -> None:
+        """Every token id is below the vocabulary: an id beyond the embedding was an IndexError
+        on every rank. The largest id is the one ``jobs.prepare`` records, else read from the
+        shards; a recorded tokenizer alone is trusted (its ids are below its size)."""
+        vocabulary = self.vocabulary(key, ds)
+        recorded = attributes(ds).get("max_token_id")
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            largest = recorded
+        elif self.vocab_size is not None:
+            largest = windows.largest_id()
+        else:
+            return
+        if largest >= vocabulary:
+            given = (f"task.vocab_size={vocabulary}" if self.vocab_size is not None else
+                     f"task.vocab_size=null (the {vocabulary} ids of the tokenizer {key} records)")
+            raise ConfigError(f"{given} is invalid: {key}={str(ds.root)!r} has token ids up to "
+                              f"{largest} in {self.field!r}, so the model needs a vocabulary of at "
+                              f"least {largest + 1} (try task.vocab_size={largest + 1})")
 
     def model_kwargs(self, ds: ShardedDataset) -> dict[str, Any]:
         return {"vocab_size": self.vocabulary("data.path", ds), "seq_len": self.seq_len}

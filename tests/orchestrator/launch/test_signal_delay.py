@@ -98,3 +98,33 @@ def test_auto_composes_from_the_command_line_and_a_fraction_does_not() -> None:
         assert OmegaConf.to_object(cfg.cluster).signal_delay_s == "auto"  # type: ignore[union-attr]
         with pytest.raises(ConfigCompositionException, match=r"cluster.signal_delay_s=90.5"):
             compose(config_name="train", overrides=["cluster=slurm", "cluster.signal_delay_s=90.5"])
+
+
+def proposals(message: str) -> list[dict[str, int]]:
+    """The ``(try key=N, or key=M)`` of a refusal, as ClusterConfig keyword arguments."""
+    fix = message.rsplit("(try ", 1)[1].rstrip(")")
+    return [{key.removeprefix("cluster."): int(value)}
+            for key, value in (part.split("=") for part in fix.split(", or "))]
+
+
+@pytest.mark.parametrize(("timeout_min", "seconds"), [(1, 120), (1, 60), (2, 600), (60, -5), (3, 10**20)])
+def test_a_lead_time_outside_the_limit_proposes_values_that_pass(timeout_min: int, seconds: int) -> None:
+    """Issue 34: with timeout_min=1 the refusal of 120 proposed cluster.signal_delay_s=120."""
+    with pytest.raises(ConfigError) as refused:
+        ClusterConfig(timeout_min=timeout_min, signal_delay_s=seconds)
+    assert str(refused.value).startswith(f"cluster.signal_delay_s={seconds} is invalid: must be "
+                                         f"between 0 and the time limit ({timeout_min * 60} s)")
+    for fix in proposals(str(refused.value)):
+        assert ClusterConfig(**{"timeout_min": timeout_min, "signal_delay_s": seconds, **fix})
+
+
+def test_auto_whose_default_does_not_fit_is_refused_as_auto(tmp_path: Path) -> None:
+    """Issue 34: the refusal began cluster.signal_delay_s=120, a value the user never typed."""
+    with pytest.raises(ConfigError) as refused:
+        at_submission(_cluster(signal_delay_s="auto", timeout_min=1), tmp_path)
+    assert str(refused.value) == (
+        f"cluster.signal_delay_s='auto' is invalid here: no previous run in {tmp_path} measured a "
+        f"checkpoint save, so auto takes the default 120 s, and the time limit is 60 s (try "
+        f"cluster.signal_delay_s=30, or cluster.timeout_min=3)")
+    for fix in proposals(str(refused.value)):
+        at_submission(_cluster(**{"signal_delay_s": "auto", "timeout_min": 1, **fix}), tmp_path)
