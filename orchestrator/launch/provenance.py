@@ -102,8 +102,9 @@ def user_files(config: SnapshotConfig, targets: Sequence[str], scripts: Sequence
         sources += snapshot.include_sources(config.include)
     sources += [snapshot.Source(path, path.name) for path in scripts if path.is_file()]
     for source in sources:
-        files = snapshot.walk(source, config.exclude)
-        yield from (file for _, file in files if file.suffix == ".py")
+        # A directory it cannot list is refused by the snapshot; without one it is only not read.
+        with contextlib.suppress(snapshot.SnapshotError):
+            yield from (file for _, file in snapshot.walk(source, config.exclude) if file.suffix == ".py")
 
 
 def user_packages(config: SnapshotConfig, targets: Sequence[str], scripts: Sequence[Path] = ()

@@ -161,7 +161,7 @@ def walk(source: Source, exclude: Sequence[str]) -> Iterator[tuple[str, Path]]:
     if source.path.is_file():
         yield source.name, source.path
         return
-    for folder, dirs, names in os.walk(source.path):
+    for folder, dirs, names in os.walk(source.path, onerror=_unlistable):
         base = Path(folder)
         # A package named like an exclude (my_pkg/data/__init__.py) is code the job imports: kept.
         dirs[:] = sorted(d for d in dirs if not _excluded(d, exclude) or (base / d / "__init__.py").is_file())
@@ -171,6 +171,19 @@ def walk(source: Source, exclude: Sequence[str]) -> Iterator[tuple[str, Path]]:
                 yield f"{source.name}/{file.relative_to(source.path).as_posix()}", file
 
 
+def _unlistable(e: OSError) -> None:
+    """os.walk skips a directory it cannot list, silently: the snapshot would lack its modules."""
+    raise unreadable(Path(e.filename or "?"), e) from e
+
+
+def unreadable(path: Path, e: OSError) -> SnapshotError:
+    """A file or directory of the snapshot's sources that cannot be read, named with the fix."""
+    return SnapshotError(
+        f"cannot read {path} for the code snapshot: {e.strerror or type(e).__name__}. Make it readable, "
+        f"or leave it out (add {path.name!r} to cluster.snapshot.exclude=[...]), or turn snapshots off "
+        f"(cluster.snapshot.enabled=false)")
+
+
 def _excluded(name: str, exclude: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in exclude)
 
@@ -178,7 +191,7 @@ def _excluded(name: str, exclude: Sequence[str]) -> bool:
 def collect(sources_: Sequence[Source], config: SnapshotConfig) -> dict[str, Path]:
     """Relative path -> file, refused when the total exceeds ``max_mb`` (naming the largest)."""
     files = dict(item for s in sources_ for item in walk(s, config.exclude))
-    sizes = {rel: path.stat().st_size for rel, path in files.items()}
+    sizes = {rel: _size(path) for rel, path in files.items()}
     total = sum(sizes.values())
     if total > config.max_mb * 2**20:
         largest = sorted(sizes, key=lambda rel: -sizes[rel])[:5]
@@ -190,11 +203,22 @@ def collect(sources_: Sequence[Source], config: SnapshotConfig) -> dict[str, Pat
     return files
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as e:
+        raise unreadable(path, e) from e
+
+
 def file_hash(path: Path) -> str:
+    """sha256 of a file's content; one that cannot be read is a SnapshotError naming it."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as e:
+        raise unreadable(path, e) from e
     return digest.hexdigest()
 
 

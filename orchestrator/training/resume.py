@@ -5,8 +5,11 @@ continues its own checkpoints without being asked (a requeue, a rerun with the s
 ``hydra.run.dir``); another run's only when told so: ``checkpoint.resume_from=PATH``, a checkpoint
 (``step-N.pt``, ``step-N.dcp``) or a directory of them (its newest good one). Once this run has
 written checkpoints of its own they come first: a requeue continues from them, not again from PATH.
-A ``checkpoint.dir`` holding another run's checkpoints is refused, naming both runs: its saves would
-be published, pruned and resumed among the other run's.
+A ``checkpoint.dir`` holding another run's checkpoints is refused, naming both runs, even when
+``checkpoint.resume_from`` names one of them: this run's saves would land among the other run's
+(a step it saves again would be the other run's file, and ``keep_last`` would weigh its steps
+against the other run's). The saving code holds the same rule on its own (``checkpoint.save``):
+a run writes and prunes only its own checkpoints.
 
 **What may change.** Per key, decided here and nowhere else:
 
@@ -40,7 +43,7 @@ import torch
 
 from orchestrator.config import ConfigError, OptimConfig, TrainConfig, group_dict
 from orchestrator.launch import provenance
-from orchestrator.training import checkpoint, sharded_checkpoint
+from orchestrator.training import checkpoint
 from orchestrator.training.checkpoint import CheckpointError
 
 # What a checkpoint written before a key existed had: a Switchyard without fsdp wrote ddp's. A key
@@ -154,9 +157,7 @@ def carried_counts(per_rank: list[dict[str, Any]], world_size: int, rank: int) -
 # Which checkpoint
 
 
-def writer(state: dict[str, Any]) -> str | None:
-    """The run directory that wrote a checkpoint; None for one written before it was recorded."""
-    return (state.get("provenance") or {}).get("run_dir")
+writer = checkpoint.writer  # the run directory that wrote a checkpoint's state
 
 
 def source(cfg: TrainConfig, run_dir: Path, own: Path | None, own_writer: str | None) -> Path | None:
@@ -170,15 +171,15 @@ def source(cfg: TrainConfig, run_dir: Path, own: Path | None, own_writer: str | 
     if own_writer is None or own_writer == this:
         return None  # this run's own: a requeue or a rerun continues where it got to
     directory = checkpoint_dir(cfg, run_dir)
-    if named is not None and directory.resolve() in (named.resolve(), named.resolve().parent):
-        return named  # told to continue that run's checkpoints in this very directory
     held = (f"checkpoint.dir={str(directory)!r} holds checkpoints of another run (newest: {own.name}, "
             f"written by hydra.run.dir={own_writer!r}), not of this run (hydra.run.dir={this!r})")
-    if named is not None:
+    if named is not None:  # even one of that directory's own: this run would save among them
         raise CheckpointError(
-            f"{held}: this run's saves would be pruned and resumed among them (keep "
+            f"{held}: this run's saves would be pruned and resumed among them, and would replace "
+            f"that run's checkpoints of the same steps (keep "
             f"checkpoint.resume_from={cfg.checkpoint.resume_from!r} and give this run a checkpoint.dir "
-            f"of its own, e.g. leave checkpoint.dir unset for RUN_DIR/checkpoints)")
+            f"of its own, e.g. leave checkpoint.dir unset for RUN_DIR/checkpoints; or continue that "
+            f"run itself with hydra.run.dir={own_writer!r})")
     raise CheckpointError(
         f"{held}: a run resumes another run's checkpoint only when told to (try "
         f"checkpoint.resume_from={str(directory)!r} with a checkpoint.dir of this run's own, e.g. "
@@ -196,12 +197,9 @@ def newest_recorded(where: Path) -> Recorded | None:
     side: a damaged one is skipped here and reported by the ranks, which verify checksums."""
     for path in checkpoint.candidates(where):
         try:
-            state = sharded_checkpoint.train_state(path) if sharded_checkpoint.is_sharded(path) else \
-                torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception:  # damaged: the ranks skip it with a warning, or fail naming it
+            return Recorded(path, checkpoint.recorded_state(path))
+        except CheckpointError:  # damaged: the ranks skip it with a warning, or fail naming it
             continue
-        if isinstance(state, dict) and "step" in state:
-            return Recorded(path, state)
     return None
 
 

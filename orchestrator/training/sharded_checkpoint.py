@@ -43,7 +43,7 @@ from orchestrator.training.checkpoint import CheckpointError, file_checksum
 
 SUFFIX = ".dcp"
 CHECKSUMS = "checksums.json"
-TRAIN_STATE = "train_state.pt"
+TRAIN_STATE = checkpoint.TRAIN_STATE
 
 
 def is_sharded(path: Path) -> bool:
@@ -73,16 +73,27 @@ def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[s
          keep_last: int, group: dist.ProcessGroup | None = None) -> Path:
     """Every rank calls this (collective over ``group``, the default group when None) with its own
     ``shards`` (``tensors``, or a host copy of them). Rank 0 publishes the directory once it is
-    complete, then prunes to ``keep_last``. A background save passes its own gloo group: its
-    collectives then never interleave with the training's on the default group."""
+    complete, then prunes to ``keep_last`` of this run's own (``checkpoint.prune``); a checkpoint
+    of this step that another run wrote is refused on every rank, not replaced. A background save
+    passes its own gloo group: its collectives then never interleave with the training's on the
+    default group."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = path_for(directory, step)
     partial = _partial(final)
-    if rank == 0:  # a save killed earlier left its partial directory: nobody else writes here
-        for stale in directory.glob(f".step-*{SUFFIX}.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier(group=group)
+    owner = checkpoint.writer(train_state)
+    refusal = None
+    if rank == 0:
+        try:
+            checkpoint.check_overwrite(final, owner)
+        except CheckpointError as e:
+            refusal = str(e)
+        else:  # a save killed earlier left its partial directory: nobody else writes here
+            for stale in directory.glob(f".step-*{SUFFIX}.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
+            partial.mkdir(parents=True)
+    refusal = _gather(refusal, group)[0]  # rank 0's verdict, and the barrier before every rank writes
+    if refusal is not None:
+        raise CheckpointError(refusal)
     dcp.save(shards, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), process_group=group)
     if rank == 0:
         with open(partial / TRAIN_STATE, "wb") as f:
@@ -97,7 +108,8 @@ def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[s
         write_json(partial / CHECKSUMS, {k: v for part in everyone for k, v in sorted(part.items())},
                    indent=1)
         _publish(partial, final)
-        checkpoint.prune(directory, keep_last)
+        checkpoint.remember_writer(final, owner)
+        checkpoint.prune(directory, keep_last, owner)
     dist.barrier(group=group)
     return final
 
@@ -152,13 +164,7 @@ def choose(candidates: list[Path]) -> tuple[Path | None, list[str]]:
 
 def train_state(path: Path) -> dict[str, Any]:
     """Everything but the tensors (on the CPU): read by every rank."""
-    try:
-        state = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"cannot read {path / TRAIN_STATE}: {e}") from e
-    if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"{path / TRAIN_STATE} is not a Switchyard checkpoint")
-    return state
+    return checkpoint.recorded_state(path)
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -210,3 +210,29 @@ def test_import_names_are_read_from_source_text() -> None:
     text = ("import a.b as c, d\nfrom e.f import g\nfrom . import h\nfrom .i import j\n"
             "# import k\nx = 'import l'\n    import m  # m\nimportlib = 1\n")
     assert provenance.imported_names(text) == {"a", "d", "e", "m"}
+
+
+# Files that raise on read even for root (the tests run as root: chmod 000 stops nothing): the
+# process's own memory at address 0 (EIO), and a write-only sysfs attribute (EACCES).
+UNREADABLE = [("/proc/self/mem", "Input/output error"), ("/sys/bus/pci/rescan", "Permission denied")]
+
+
+@pytest.mark.parametrize(("target", "why"), UNREADABLE)
+def test_an_unreadable_file_in_the_snapshot_is_one_error_naming_it(tmp_path: Path, target: str,
+                                                                    why: str) -> None:
+    """The issue: a raw OSError traceback, not a SnapshotError, and the file not named."""
+    if not os.path.exists(target):
+        pytest.skip(f"{target} does not exist here")
+    extra = tmp_path / "helpers"
+    extra.mkdir()
+    (extra / "util.py").write_text("Y = 1\n")
+    (extra / "weights.bin").symlink_to(target)
+    with pytest.raises(snapshot.SnapshotError) as refused:
+        snapshot.take(config(tmp_path, include=[str(extra)]))
+    assert str(refused.value) == (
+        f"cannot read {extra / 'weights.bin'} for the code snapshot: {why}. Make it readable, or leave "
+        f"it out (add 'weights.bin' to cluster.snapshot.exclude=[...]), or turn snapshots off "
+        f"(cluster.snapshot.enabled=false)")
+    assert not (tmp_path / "store").exists() or not list((tmp_path / "store").iterdir())
+    snap = snapshot.take(config(tmp_path, include=[str(extra)], exclude=["weights.bin"]))
+    assert "helpers/util.py" in snap.files

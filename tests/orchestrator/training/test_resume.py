@@ -128,6 +128,25 @@ def test_another_runs_checkpoints_are_resumed_only_when_named(rank: runtime.Runt
                               r"this run's saves would be pruned and resumed among them")
 
 
+def test_a_resume_from_an_older_step_inside_another_runs_checkpoint_dir_is_refused(
+        rank: runtime.Runtime, data: trainer.DataPaths, tmp_path: Path) -> None:
+    """The issue: run b (checkpoint.dir=a's, resume_from=a's step 1, keep_last=2) exited 0 having
+    deleted a's older steps and replaced a's step 3 with its own."""
+    shared, a, b = tmp_path / "a" / "checkpoints", tmp_path / "a", tmp_path / "b"
+    train(rank, data, a, dataclasses.replace(config(data, shared), checkpoint=CheckpointConfig(
+        dir=str(shared), every_steps=1, keep_last=4)))
+    before = {p.name: p.read_bytes() for p in shared.iterdir()}
+    assert sorted(p.name for p in shared.glob("step-*.pt"))[0] == "step-000000001.pt"
+    b_cfg = dataclasses.replace(config(data, shared, lr=1e-2, max_steps=8), checkpoint=CheckpointConfig(
+        dir=str(shared), resume_from=str(shared / "step-000000001.pt"), every_steps=1, keep_last=2))
+    both = (rf"written by hydra.run.dir='{a}'\), not of this run \(hydra.run.dir='{b}'\).*"
+            rf"leave checkpoint.dir unset.*hydra.run.dir='{a}'")
+    refused_before_submission(b_cfg, data, b, both)
+    with pytest.raises(CheckpointError, match=both):
+        train(rank, data, b, b_cfg)
+    assert {p.name: p.read_bytes() for p in shared.iterdir()} == before
+
+
 def test_a_checkpoint_dir_in_use_is_refused_at_submission_and_on_the_ranks(
         data: trainer.DataPaths, tmp_path: Path) -> None:
     """Two runs started 2 s apart both wrote into one checkpoint.dir: the lock covered the run
