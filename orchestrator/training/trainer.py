@@ -47,6 +47,7 @@ from orchestrator.training import (
     checkpoint,
     checkpointing,
     estimate,
+    nonfinite,
     preemption,
     resume,
     runtime,
@@ -379,6 +380,7 @@ class Trainer:
         self.clock = clock or startup.Clock()  # where the seconds before the first step go
         self.train_ds: ShardedDataset = open_dataset(paths.train)
         self.eval_ds = open_dataset(paths.eval) if paths.eval else None
+        self.eval_path = paths.eval
         self.task = build_task(cfg.task, cfg.data)
         self.sources: dict[Path, Any] = {}  # dataset root -> the task's view of it (``source``)
         self.task.setup(self.train_ds)
@@ -773,6 +775,10 @@ class Trainer:
         self.mark("eval")
         amp = self.cfg.memory.amp if self.strategy.name == "ddp" else "none"
         metrics, counted = evaluate(self.model, self.eval_loader(), self.task, amp, self.rt)
+        if not all(math.isfinite(value) for value in metrics.values()):  # every rank: global metrics
+            self.save_checkpoint(blocking=True)  # the training was sound (checked): its steps are kept
+            nonfinite.check_eval(metrics, self.step, self.eval_path,
+                                 f"step {self.step} is checkpointed in {self.checkpoint_dir}")
         if log is not None and metrics:
             log.log(self.step, finite_or_null(metrics))
         self.eval_metrics = metrics
