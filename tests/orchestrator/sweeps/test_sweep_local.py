@@ -4,6 +4,7 @@ a real Hydra app in a subprocess, the registry, and the `switchyard` commands.""
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import psutil
 import sweep_probe
 
 from orchestrator.registry.db import Registry
+from orchestrator.sweeps import status as sweep_status
 
 SWITCHYARD = shutil.which("switchyard", path=str(Path(sys.executable).parent)) or "switchyard"
 
@@ -44,14 +46,23 @@ def status_json(tmp_path: Path, sweep: str) -> dict[str, Any]:
     return dict(json.loads(proc.stdout))
 
 
+def status_here(tmp_path: Path, sweep: str) -> dict[str, Any]:
+    """What ``status_json`` answers, from this process: a poll without a process start each time."""
+    out = io.StringIO()
+    with Registry(Path(env_for(tmp_path)["SWITCHYARD_REGISTRY"])) as reg:
+        assert sweep_status.cmd_status(reg, sweep, True, out) == 0
+    return dict(json.loads(out.getvalue()))
+
+
 def wait_until_ended(tmp_path: Path, sweep: str, timeout_s: float = 120) -> dict[str, Any]:
+    """Polls in this process; the answer is the ``switchyard status --json`` command's, once ended."""
     deadline = time.monotonic() + timeout_s
     while True:
-        status = status_json(tmp_path, sweep)
-        if all(j["state"] in ("COMPLETED", "FAILED", "CANCELLED") for j in status["jobs"]):
-            return status
-        assert time.monotonic() < deadline, status
-        time.sleep(0.5)
+        polled = status_here(tmp_path, sweep)
+        if all(j["state"] in ("COMPLETED", "FAILED", "CANCELLED") for j in polled["jobs"]):
+            return status_json(tmp_path, sweep)
+        assert time.monotonic() < deadline, polled
+        time.sleep(0.2)
 
 
 def runs(tmp_path: Path, x: int) -> int:
