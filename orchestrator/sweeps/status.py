@@ -430,15 +430,7 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
         raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
                            "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
-    print_warnings(reconcile(registry, [ref.sweep_id]), sys.stderr)
-    executor = registry.sweep(ref.sweep_id).executor
-    live = [a for a in registry.latest_attempts(ref.sweep_id).values()
-            if (ref.num is None or a.num == ref.num) and a.slurm_id and a.state not in TERMINAL_STATES]
-    cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live, grace_s)
-    ending = _wait_slurm_ended([str(a.slurm_id) for a in cancelled]) if executor == "slurm" else []
-    now = time.time()
-    registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
-                                 error="cancelled with switchyard cancel") for a in cancelled)
+    cancelled, ending = cancel(registry, ref.sweep_id, ref.num, grace_s, "switchyard cancel")
     ids = [a.slurm_id for a in cancelled]
     if as_json:
         print(json.dumps({"target": str(ref), "cancelled": [f"{a.sweep_id}/{a.num}" for a in cancelled],
@@ -451,6 +443,32 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
               f"still be writing (a checkpoint, say); switchyard status {ref} shows when they end",
               file=sys.stderr)
     return 0
+
+
+def has_ended(attempt: Attempt) -> bool:
+    """Whether cancelling the attempt would change what it did: not once it ended, nor once its
+    rank 0 reported its end while SLURM still completes it (COMPLETING): ``scancel`` then turns a
+    job that finished into CANCELLED+ in sacct, and the registry follows SLURM."""
+    ended_itself = attempt.state == "COMPLETING" and attempt.ended_at is not None
+    return attempt.state in TERMINAL_STATES or ended_itself
+
+
+def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str
+           ) -> tuple[list[Attempt], list[str]]:
+    """Stop the live attempts of a sweep (or of its job ``num``): the one check and the one way
+    that ``switchyard cancel`` and the function API's ``Job.cancel()`` share. An attempt that has
+    ended (``has_ended``) is left as it is, so a finished job stays COMPLETED. Returns the
+    attempts cancelled (now CANCELLED in the registry) and the SLURM ids still ending."""
+    print_warnings(reconcile(registry, [sweep_id]), sys.stderr)
+    executor = registry.sweep(sweep_id).executor
+    live = [a for a in registry.latest_attempts(sweep_id).values()
+            if (num is None or a.num == num) and a.slurm_id and not has_ended(a)]
+    cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live, grace_s)
+    ending = _wait_slurm_ended([str(a.slurm_id) for a in cancelled]) if executor == "slurm" else []
+    now = time.time()
+    registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
+                                 error=f"cancelled with {by}") for a in cancelled)
+    return cancelled, ending
 
 
 def _cancel_slurm(attempts: list[Attempt]) -> list[Attempt]:
