@@ -84,6 +84,22 @@ FUNCTION_PROGRAM = textwrap.dedent("""
         print("status", job.status, flush=True)
 """)
 
+# Cancels its job after its result came back: a job that has ended stays as it ended.
+CANCEL_AFTER_RESULT_PROGRAM = textwrap.dedent("""
+    import sys
+    import switchyard
+
+    def square(x):
+        return x * x
+
+    if __name__ == "__main__":
+        job = switchyard.submit(square, 3, overrides=sys.argv[2:], run_dir=sys.argv[1])
+        print("ref", job.ref, "job_id", job.job_id, flush=True)
+        print("results", job.result(), flush=True)
+        job.cancel()
+        print("status", job.status, flush=True)
+""")
+
 # A callable with submitit's checkpoint() protocol: its state travels in the object it returns.
 CHECKPOINTABLE_PROGRAM = textwrap.dedent("""
     import json, os, sys, time
@@ -123,5 +139,14 @@ SWEEP_SCRIPT = textwrap.dedent("""
     print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} lr={lr}", flush=True)
     if lr == 0.3 and not (Path(os.environ["SWITCHYARD_RUN_DIR"]).parent / "fixed").exists():
         print("lr 0.3 diverges", flush=True)
+        sys.exit(3)
+""")
+
+# Rank 0 exits 0 at once; rank 1 fails with exit 3 a moment after: the job failed all the same.
+LATE_FAILURE_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    if os.environ["RANK"] == "1":
+        time.sleep(2)
+        print("rank 1 fails after rank 0 has finished", flush=True)
         sys.exit(3)
 """)

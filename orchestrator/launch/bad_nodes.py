@@ -6,7 +6,12 @@ A node is blamed for what is the node's doing, not the code's:
 - a node failure: SLURM ended the job NODE_FAIL (the node stopped answering);
 - a rank killed by a signal: srun reports the task ``Killed``, ``Segmentation fault``, ``Bus error``...
   (a rank that exits with an error code is the code's, and blames nobody). Only what srun reports
-  before it starts stopping the other tasks counts: those are consequences;
+  before it starts stopping the other tasks counts: those are consequences. A ``switchyard run``
+  command killed by a signal counts the same: its rank's Switchyard process survives it and exits
+  with an error, so srun sees an exit code, and the rank's own report says which signal
+  (``rank 1 on node n2: `python x.py` was killed by SIGKILL``); a report that ends
+  ``after rank N had failed`` is a consequence, and SIGTERM (a stop asked for) blames nobody, as
+  srun's ``Terminated`` does not;
 - a CUDA or NCCL error in the last lines of a rank's log (an ECC error, ``CUDA error: ...``,
   ``NCCL error``; a device-side assert is the code's).
 
@@ -33,6 +38,9 @@ _DEVICE_ERROR = re.compile(r"CUDA error(?!: device-side assert)|cudaError\w+|CUD
 _PEER_LOST = re.compile(r"remote process exited|Connection (reset|closed)|Broken pipe|timed? ?out",
                         re.IGNORECASE)
 _BANNER = re.compile(r"switchyard: rank (\d+)/\d+ on node (\S+)")
+# scripts.rank.describe_failure's first line for a command killed by a signal.
+_COMMAND_KILLED = re.compile(r"rank (\d+) on node (\S+): `[^`\n]*` was killed by (SIG[A-Z0-9]+)([^\n]*)")
+NOT_THE_NODES = frozenset({"SIGTERM", "SIGUSR2"})  # stop requests: preemption, cancel, the time limit
 TAIL_LINES = 20
 
 
@@ -69,6 +77,8 @@ def from_logs(state: str, job_nodes: Sequence[str], batch_stderr: str,
     for node, rank, reason in srun_errors(batch_stderr):
         if not _EXITED.match(reason):
             blamed.setdefault(node, f"rank {rank} was killed by a signal (srun: {reason})")
+    for node, rank, how in commands_killed(rank_logs):
+        blamed.setdefault(node, f"rank {rank}'s command was killed by {how}")
     if blamed:  # a rank killed: its peers' errors (a lost NCCL connection) are consequences
         return [BadNode(node, why) for node, why in blamed.items()]
     for rank, (rank_node, text) in sorted(rank_logs.items()):
@@ -78,6 +88,19 @@ def from_logs(state: str, job_nodes: Sequence[str], batch_stderr: str,
             blamed.setdefault(rank_node, f"rank {rank}'s log ends with a CUDA/NCCL error: "
                                          f"{line.strip()[:200]}")
     return [BadNode(node, why) for node, why in blamed.items()]
+
+
+def commands_killed(rank_logs: Mapping[int, tuple[str | None, str]]) -> list[tuple[str, int, str]]:
+    """(node, rank, ``SIGKILL (the OOM killer: ...)``) for each ``switchyard run`` command that a
+    signal ended of its own (not a stop request, not after another rank had failed)."""
+    found = []
+    for rank, (rank_node, text) in sorted(rank_logs.items()):
+        for match in _COMMAND_KILLED.finditer(text):
+            said_rank, node, name, rest = match.groups()
+            if int(said_rank) == rank and name not in NOT_THE_NODES and "had failed" not in rest:
+                found.append((rank_node or node, rank, f"{name}{rest}".strip()))
+                break
+    return found
 
 
 def _read(path: Path) -> str:

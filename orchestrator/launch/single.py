@@ -111,8 +111,8 @@ def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path) -> l
     try:
         values = submit.results(job, run_dir)
     except submit.JobFailedError as e:
-        if recorded is not None:
-            finish(recorded, "FAILED", 1, str(e).splitlines()[0])
+        if recorded is not None:  # "job N failed (FAILED): rank 1 on node n2: ... killed by SIGKILL"
+            finish(recorded, "FAILED", 1, " ".join(str(e).splitlines()[:2]))
         raise
     if recorded is not None:
         finish(recorded, "COMPLETED", 0)
@@ -123,6 +123,8 @@ def finish(recorded: Recorded, state: str, exit_code: int | None, error: str | N
     """The submitting side saw the job end (a blocking run): record it now, so ``status`` is right
     even for a job whose ranks wrote no status file (what rank 0 wrote, if anything, is kept)."""
     status = TaskStatus.read(recorded.run_dir, recorded.job_id)
+    if state == "FAILED" and status is not None and status.ended_at is not None and status.exit_code:
+        exit_code = status.exit_code  # rank 0's: the failing command's own status (137: SIGKILL)
     with Registry(recorded.registry) as registry:
         registry.observe([Observation(recorded.attempt_id, state, requeues=status.restarts if status else 0,
                                       started_at=status.started_at if status else None,

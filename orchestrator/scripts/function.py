@@ -39,6 +39,7 @@ from orchestrator.launch import (
     slurm_query,
     submit,
 )
+from orchestrator.launch.cancel import cancel as cancel_recorded
 from orchestrator.registry.db import SINGLE_NUM, Registry
 from orchestrator.registry.reconciliation import reconcile
 from orchestrator.scripts import job as run_job
@@ -49,6 +50,7 @@ from orchestrator.telemetry.preflight import preflight
 from orchestrator.telemetry.sampler import MemorySampler
 
 APP = "submit"
+CANCEL_GRACE_S = 5.0  # Job.cancel(): SIGTERM to SIGKILL for a local job's ranks
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,15 @@ def rank_of_function(spec: FunctionSpec, run: Path, env: dist_env.DistEnv) -> It
         raise
     finally:
         _restore(saved)
-        rank.mark_done(rdzv, env, code, time.time())
-        if env.is_main and code == 0:
-            rank.wait_for_ranks(rdzv, env)  # the store stays up until every rank's function returned
+        rank.mark_done(rdzv, env, code, time.time(), stopped=not ended)
+        error = None if code == 0 else "the function raised"
+        if env.is_main and code == 0:  # the store stays up until every rank's function returned
+            peer = rank.first_failed(rank.wait_for_ranks(rdzv, env))
+            if peer is not None:  # the job's end is every rank's, not rank 0's alone
+                code, error = 1, (f"rank {peer.rank}{f' on node {peer.node}' if peer.node else ''} "
+                                  f"failed after rank {env.rank}'s function had returned")
         if ended:
-            rank.report_end(run, status, code, None if code == 0 else "the function raised",
-                            telemetry=spec.telemetry and code != 0)
+            rank.report_end(run, status, code, error, telemetry=spec.telemetry and code != 0)
         del store
 
 
@@ -179,13 +184,19 @@ class FunctionJob:
         return attempt.state
 
     def cancel(self) -> None:
-        """scancel (SLURM), or SIGTERM then SIGKILL to every rank (local)."""
-        if isinstance(self.job, submitit.SlurmJob):
-            self.job.cancel(check=False)
-        elif not isinstance(self.job, submitit.DebugJob):
-            local_jobs.terminate([int(self.job.job_id)], grace_s=5.0)
+        """scancel (SLURM), or SIGTERM then SIGKILL to every rank (local), as ``switchyard
+        cancel`` does and with its check: a job that has ended (its ``result()`` returned, or it
+        failed) is left as it is, never turned CANCELLED."""
+        if isinstance(self.job, submitit.DebugJob):
+            return
         if self.recorded is not None:
-            single.finish(self.recorded, "CANCELLED", None, "cancelled with Job.cancel()")
+            with Registry(self.recorded.registry) as registry:
+                cancel_recorded(registry, self.recorded.sweep_id, SINGLE_NUM, CANCEL_GRACE_S, "Job.cancel()")
+        elif not self.job.done():  # not in the registry: submitit's own view of its end
+            if isinstance(self.job, submitit.SlurmJob):
+                self.job.cancel(check=False)
+            else:
+                local_jobs.terminate([int(self.job.job_id)], grace_s=CANCEL_GRACE_S)
 
     def __repr__(self) -> str:
         return f"FunctionJob({self.ref or self.job_id}, run_dir={str(self.run_dir)!r})"

@@ -194,6 +194,8 @@ def hydra_main(cfg: DictConfig) -> None:
         run(typed, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task),
             OmegaConf.to_yaml(cfg, resolve=True))
     except (ConfigError, submit.JobFailedError, rank.CommandFailed) as e:
+        if isinstance(e, rank.CommandFailed) and dist_env.inside_launched_job():
+            raise  # a sweep point's rank: its report keeps the rank, the command's status and signal
         print(f"error: {printable(e)}", file=sys.stderr)
         sys.exit(2)
 

@@ -104,7 +104,8 @@ def _run_reporting(run: Callable[[], JobReturn], report: TaskStatus, run_dir: st
         except Exception as e:  # an unpicklable return value must not turn success into failure
             log.warning(f"could not save the job's return value: {e}")
         error = ret._return_value if failed else None
-        _end(report, run_dir, 1 if failed else 0,
+        code = getattr(error, "exit_code", 1) if failed else 0  # a command's own status (scripts.rank)
+        _end(report, run_dir, code if isinstance(code, int) and code != 0 else int(failed),
              f"{type(error).__name__}: {error}".splitlines()[0][:500] if failed else None)
     return ret
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -21,10 +20,10 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from orchestrator.launch import local_jobs, provenance, slurm_query
+from orchestrator.launch.cancel import SLURM_END_WAIT_S, CancelError, cancel
 from orchestrator.registry.db import (
     Attempt,
     Job,
-    Observation,
     Registry,
     RegistryError,
     Result,
@@ -430,15 +429,7 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
         raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
                            "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
-    print_warnings(reconcile(registry, [ref.sweep_id], ask_slurm=slurm_query.query_states), sys.stderr)
-    executor = registry.sweep(ref.sweep_id).executor
-    live = [a for a in registry.latest_attempts(ref.sweep_id).values()
-            if (ref.num is None or a.num == ref.num) and a.slurm_id and a.state not in TERMINAL_STATES]
-    cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live, grace_s)
-    ending = _wait_slurm_ended([str(a.slurm_id) for a in cancelled]) if executor == "slurm" else []
-    now = time.time()
-    registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
-                                 error="cancelled with switchyard cancel") for a in cancelled)
+    cancelled, ending = cancel(registry, ref.sweep_id, ref.num, grace_s, "switchyard cancel")
     ids = [a.slurm_id for a in cancelled]
     if as_json:
         print(json.dumps({"target": str(ref), "cancelled": [f"{a.sweep_id}/{a.num}" for a in cancelled],
@@ -451,50 +442,6 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
               f"still be writing (a checkpoint, say); switchyard status {ref} shows when they end",
               file=sys.stderr)
     return 0
-
-
-def _cancel_slurm(attempts: list[Attempt]) -> list[Attempt]:
-    if not attempts:
-        return []
-    proc = subprocess.run(["scancel", *[str(a.slurm_id) for a in attempts]], capture_output=True,
-                          text=True, timeout=60, check=False)
-    if proc.returncode != 0:
-        raise CommandError(f"scancel failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    return attempts
-
-
-# States of a job whose ranks are still at work: a cancelled job is COMPLETING in the controller
-# while its ranks handle SIGTERM (a checkpoint being written), until they exit or KillWait ends.
-STILL_ENDING = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
-# How long `cancel` waits for them: SLURM's KillWait (30 s by default) and a margin to clean up.
-SLURM_END_WAIT_S = 120.0
-
-
-def _wait_slurm_ended(slurm_ids: list[str], poll_s: float = 0.5) -> list[str]:
-    """Wait until the controller no longer lists any of the cancelled jobs as still ending, saying
-    so on stderr while it waits; returns those still ending after ``SLURM_END_WAIT_S``. scancel
-    returns at once, while the ranks may still be writing their checkpoint."""
-    deadline = time.monotonic() + SLURM_END_WAIT_S
-    told = False
-    while True:
-        try:
-            states = slurm_query.controller_states(slurm_ids)
-        except slurm_query.SlurmQueryError as e:
-            print(f"warning: cannot tell whether the cancelled jobs have ended: squeue: {e}", file=sys.stderr)
-            return []
-        ending = [i for i in slurm_ids if states.get(i) in STILL_ENDING]
-        if not ending or time.monotonic() >= deadline:
-            return ending
-        if not told:
-            told = True
-            print(f"waiting for job(s) {', '.join(ending)} to end: SLURM sent their ranks SIGTERM, and "
-                  f"they may be writing a checkpoint ({states[ending[0]]})", file=sys.stderr, flush=True)
-        time.sleep(poll_s)
-
-
-def _cancel_local(attempts: list[Attempt], grace_s: float) -> list[Attempt]:
-    pids = {int(str(a.slurm_id)): a for a in attempts}
-    return [pids[pid] for pid in local_jobs.terminate(list(pids), grace_s)]
 
 
 def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
@@ -540,4 +487,4 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
     return 0
 
 
-ERRORS = (CommandError, RegistryError)
+ERRORS = (CommandError, CancelError, RegistryError)

@@ -176,3 +176,26 @@ def test_a_request_slurm_would_never_start_is_refused_naming_the_key(
                       f"hydra.run.dir={tmp_path / 'run'}", "--", sys.executable, "ddp.py")
     assert proc.returncode == 2
     assert "parallelism.nodes=3 but partition debug has 2 node(s) (try parallelism.nodes=2)" in proc.stderr
+
+
+def test_a_command_killed_by_a_signal_is_named_and_its_retry_avoids_the_node(
+        tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
+    """The rank's Switchyard process outlives its SIGKILLed command and exits with an error, so
+    srun saw only an exit code: the point read `exited with status 2`, and its retries went back
+    to the same node. Now the report names the signal and resubmit keeps the retry off the node."""
+    (tmp_path / "die.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    switchyard(registry, tmp_path, "run", "-m", "cluster=slurm", "parallelism.procs_per_node=1", "+x=1",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", "--", sys.executable, "die.py")
+    try:
+        (job,) = json.loads(switchyard(registry, tmp_path, "status", "1", "--json").stdout)["jobs"]
+        queued.append(job["slurm_id"])
+        assert (job["state"], job["exit_code"]) == ("FAILED", 128 + 9), job
+        assert "was killed by SIGKILL" in job["error"], job
+        again = switchyard(registry, tmp_path, "resubmit", "1", "--failed", "--json")
+        assert again.returncode == 0, again.stderr
+        (retry,) = json.loads(again.stdout)["resubmitted"]
+        queued.append(retry["slurm_id"])
+        show = switchyard(registry, tmp_path, "show", "1/0").stdout
+        assert f"try 2 avoided {job['node']}: rank 0's command was killed by SIGKILL" in show, show
+    finally:
+        switchyard(registry, tmp_path, "cancel", "1")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from script_helpers import CHECKPOINTABLE_PROGRAM, FUNCTION_PROGRAM
+from script_helpers import CANCEL_AFTER_RESULT_PROGRAM, CHECKPOINTABLE_PROGRAM, FUNCTION_PROGRAM
 from slurm_helpers import release_requeue_hold
 
 pytestmark = pytest.mark.slurm
@@ -53,6 +53,19 @@ def test_a_submitted_function_returns_each_ranks_result(tmp_path: Path, queued: 
         [(0, 0, 4, 20.0), (1, 1, 4, 20.0), (2, 0, 4, 20.0), (3, 1, 4, 20.0)]
     assert "status COMPLETED" in stdout
     assert {p.name for p in (run_dir / "telemetry").glob("*.jsonl")} == {"n1.jsonl", "n2.jsonl"}
+
+
+def test_cancel_after_result_leaves_a_completed_job_completed(tmp_path: Path, queued: list[str]) -> None:
+    """Job.cancel() after result() scancelled the job SLURM was still completing (sacct:
+    CANCELLED+) and recorded it CANCELLED; it now shares `switchyard cancel`'s check for an end."""
+    from orchestrator.launch import slurm_query
+
+    process, _ = start(tmp_path, CANCEL_AFTER_RESULT_PROGRAM, "cluster=slurm")
+    job_id = job_id_from(process, queued)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "results [9, 9]" in stdout and "status COMPLETED" in stdout, stdout + stderr[-2000:]
+    assert slurm_query.wait_for_terminal_states([job_id], timeout_s=60)[job_id] == "COMPLETED"
 
 
 def test_a_checkpoint_protocol_callable_is_requeued_and_resumes(tmp_path: Path, queued: list[str]) -> None:

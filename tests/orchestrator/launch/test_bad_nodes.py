@@ -53,3 +53,17 @@ def test_the_exclude_list_keeps_the_users_own() -> None:
     assert exclude_list("gpu[01-02]", ["n2"]) == "gpu[01-02],n2"
     assert exclude_list(None, ["n2", "n1"]) == "n2,n1"
     assert exclude_list(None, []) is None
+
+
+def test_a_switchyard_run_command_killed_by_a_signal_blames_its_node_as_srun_would() -> None:
+    """The rank's Switchyard process survives its command and exits 1 (srun: an exit code), so
+    only its own report says a signal ended the rank; a rank killed after another had failed, or
+    stopped by SIGTERM, is not the node's doing."""
+    stderr = "srun: error: n2: task 0: Exited with exit code 1\n"
+    logs = {0: ("n2", "RankFailed: rank 0 on node n2: `python x.py` was killed by SIGKILL (the OOM killer: "
+                      "its memory cgroup counted an oom_kill)\nits stderr is empty\n"),
+            1: ("n1", "rank 1 on node n1: `python x.py` was killed by SIGKILL after rank 0 had failed\n"),
+            2: ("n3", "rank 2 on node n3: `python x.py` was killed by SIGTERM\n")}
+    assert from_logs("FAILED", ["n1", "n2", "n3"], stderr, logs) == [
+        BadNode("n2", "rank 0's command was killed by SIGKILL (the OOM killer: its memory cgroup counted "
+                      "an oom_kill)")]
