@@ -18,6 +18,7 @@ otherwise put every rank's copy on GPU 0 (the classic "GPU 0 fills up at DDP sta
 
 from __future__ import annotations
 
+import errno
 import re
 import shutil
 from dataclasses import dataclass
@@ -40,6 +41,64 @@ TRAIN_STATE = "train_state.pt"  # inside a step-N.dcp/: everything but the tenso
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit this run."""
+
+
+# What to do about a save the file system refused, by errno (both formats: one wording).
+_SAVE_FIXES = {
+    errno.ENOSPC: "free space there, keep fewer with checkpoint.keep_last, or set checkpoint.dir to a "
+                  "file system with room",
+    errno.EDQUOT: "your quota there is used up: free some, or set checkpoint.dir to another file system",
+    errno.EROFS: "that file system is read-only: set checkpoint.dir to a writable one",
+    errno.EACCES: "you may not write there: set checkpoint.dir to a directory you can write",
+}
+
+
+def save_failed(path: Path, error: BaseException) -> CheckpointError | None:
+    """One line for a save the file system refused (a full disk, a quota, a read-only mount):
+    the checkpoint, the system's reason, the free space when it failed, the fix. None when the
+    file system is not the cause (the caller re-raises ``error`` as is).
+
+    The reason is an OSError found through the chain and through DCP's per-rank failures
+    (``CheckpointException ranks:dict_keys([0, 1])`` named neither the path nor the cause), or
+    torch's writer reporting a short write (``unexpected pos``): its OSError is lost once DCP has
+    pickled the failure to the other ranks."""
+    found = _io_cause(error)
+    if found is None:
+        return None
+    reason, number = found
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        free = "the free space unknown"
+    fix = _SAVE_FIXES.get(number or 0, "check checkpoint.dir")
+    return CheckpointError(f"cannot save checkpoint {path}: {reason} ({free}); it was not published, "
+                           f"and the checkpoints before it are kept ({fix})")
+
+
+def _io_cause(error: BaseException) -> tuple[str, int | None] | None:
+    """(reason, errno) of the first OSError under ``error``, else of a short write; else None."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [error]
+    short: tuple[str, int | None] | None = None
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.strerror or str(e), e.errno
+        if isinstance(e, RuntimeError) and short is None and (m := _SHORT_WRITE.search(str(e))):
+            short = (f"a write came up short (torch's writer: {m.group(0)}), as on a full disk or "
+                     f"quota", errno.ENOSPC)
+        failures = getattr(e, "failures", None)  # DCP: rank -> (exception, traceback summary)
+        if isinstance(failures, dict):
+            todo += [f[0] for f in failures.values()
+                     if isinstance(f, tuple) and isinstance(f[0], BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return short
+
+
+_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+")
 
 
 @dataclass(frozen=True)
@@ -84,10 +143,16 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> P
     final = path_for(directory, step)
     check_overwrite(final, writer(state))
     remove_leftovers(directory)
-    with atomic_write(final, binary=True) as f:
-        hashing = _Hashing(f)
-        torch.save(state, hashing)  # type: ignore[arg-type]  # torch needs write() only
-        write_text(checksum_path(final), hashing.hash.hexdigest() + "\n")  # before the rename below
+    try:
+        with atomic_write(final, binary=True) as f:
+            hashing = _Hashing(f)
+            torch.save(state, hashing)  # type: ignore[arg-type]  # torch needs write() only
+            write_text(checksum_path(final), hashing.hash.hexdigest() + "\n")  # before the rename below
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer wraps a failed write
+        failure = save_failed(final, e)
+        if failure is None:
+            raise
+        raise failure from e
     remember_writer(final, writer(state))
     prune(directory, keep_last, writer(state))
     return final

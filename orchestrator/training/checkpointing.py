@@ -89,6 +89,8 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         pending.join()
         self._record(pending.seconds)
+        if isinstance(pending.error, CheckpointError):  # already names the path and the cause
+            raise CheckpointError(f"the background save failed: {pending.error}") from pending.error
         if pending.error is not None:
             raise CheckpointError(f"the background save of {pending.path} failed: "
                                   f"{type(pending.error).__name__}: {pending.error}") from pending.error

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -94,12 +95,20 @@ def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[s
     refusal = _gather(refusal, group)[0]  # rank 0's verdict, and the barrier before every rank writes
     if refusal is not None:
         raise CheckpointError(refusal)
-    dcp.save(shards, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), process_group=group)
-    if rank == 0:
-        with open(partial / TRAIN_STATE, "wb") as f:
-            torch.save(train_state, f)
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), process_group=group)
+        if rank == 0:
+            with open(partial / TRAIN_STATE, "wb") as f:
+                torch.save(train_state, f)
+                f.flush()
+                os.fsync(f.fileno())
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP's: alike on every rank
+        failure = checkpoint.save_failed(final, e)  # the free space before the partial frees it
+        if failure is None:
+            raise
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise failure from e
     dist.barrier(group=group)
     names = sorted(p.name for p in partial.iterdir())
     mine = {name: file_checksum(partial / name) for i, name in enumerate(names) if i % world == rank}
