@@ -242,11 +242,12 @@ def lines(data: dict[str, Any]) -> list[str]:
 
 
 def for_checkpoint(run_dir: str | Path | None = None) -> dict[str, Any]:
-    """The provenance a checkpoint records: the snapshot this rank imports from, torch's version,
-    this rank's versions of the user's packages named at submission (``RUN/provenance.json``
-    of ``run_dir``), and the run that wrote it (``run_id``: another run resumes it only when told
-    to, ``orchestrator.training.resume``)."""
-    snap = snapshot.current()
+    """The provenance a checkpoint records: the snapshot this rank really imports from (none when
+    ``SWITCHYARD_SNAPSHOT`` names one the code did not come from: ``snapshot.running``), torch's
+    version, this rank's versions of the user's packages named at submission
+    (``RUN/provenance.json`` of ``run_dir``), and the run that wrote it (``run_id``: another run
+    resumes it only when told to, ``orchestrator.training.resume``)."""
+    snap = snapshot.running()
     named = (read(run_dir) or {}).get("packages") or {} if run_dir is not None else {}
     return {"code_hash": snap.hash if snap else None, "snapshot": str(snap.path) if snap else None,
             "torch": versions()["torch"], "packages": package_versions(sorted(named)),
