@@ -27,7 +27,7 @@ from orchestrator.config import (
     TrainConfig,
 )
 from orchestrator.launch import run_lock
-from orchestrator.sweeps.registry import Job, Registry
+from orchestrator.registry.db import Job, Registry
 from orchestrator.sweeps.status import cmd_show
 from orchestrator.training import checks, resume, runtime, trainer
 from orchestrator.training.checkpoint import CheckpointError
