@@ -216,8 +216,8 @@ def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[s
     if skipped:  # also in summary.json; each rank's log has a line per step
         print(f"warning: {len(skipped)} step(s) had a NaN or infinite loss or gradient and were "
               f"skipped (optim.on_nonfinite=skip): steps {skipped[:10]}", file=sys.stderr)
-    if notes and summary.get("resumed_from"):
-        print(f"resumed from {summary['resumed_from']['path']} at step {summary['resumed_from']['step']}")
+    if notes and summary.get("resumed_from"):  # with the config changes it applied
+        print("\n".join(provenance.resume_lines(summary["resumed_from"])))
     if (calibrated := estimate.calibration(summary)) is not None:  # every GPU run checks the estimate
         print(calibrated)
     print(f"summary: {run_dir / 'summary.json'}")

@@ -237,16 +237,39 @@ def lines(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def resume_lines(resumed: dict[str, Any]) -> list[str]:
+    """What a run that continued from a checkpoint says of it (summary.json's ``resumed_from``),
+    the same wherever the user looks: rank 0's log, the submitting terminal, ``switchyard show``.
+    The config changes the resume applied (``orchestrator.training.resume.config_changes``) are
+    named, not left in rank 0's log alone."""
+    out = [f"resumed from {resumed.get('path')} at step {resumed.get('step')}"]
+    changes = resumed.get("config_changes") or {}
+    if changes:
+        out.append("changed at resume, now applied: " + ", ".join(
+            f"{key} {old} -> {new}" for key, (old, new) in changes.items()))
+    return out
+
+
+def resumed_from(run_dir: str | Path) -> dict[str, Any] | None:
+    """The ``resumed_from`` of a run's summary.json; None when it did not resume (or has not ended)."""
+    try:
+        found = json.loads((Path(run_dir) / "summary.json").read_text()).get("resumed_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 # ------------------------------------------------------------------------------------------------
 # At checkpoint and resume (on the ranks)
 
 
 def for_checkpoint(run_dir: str | Path | None = None) -> dict[str, Any]:
-    """The provenance a checkpoint records: the snapshot this rank imports from, torch's version,
-    this rank's versions of the user's packages named at submission (``RUN/provenance.json``
-    of ``run_dir``), and the run that wrote it (``run_id``: another run resumes it only when told
-    to, ``orchestrator.training.resume``)."""
-    snap = snapshot.current()
+    """The provenance a checkpoint records: the snapshot this rank really imports from (none when
+    ``SWITCHYARD_SNAPSHOT`` names one the code did not come from: ``snapshot.running``), torch's
+    version, this rank's versions of the user's packages named at submission
+    (``RUN/provenance.json`` of ``run_dir``), and the run that wrote it (``run_id``: another run
+    resumes it only when told to, ``orchestrator.training.resume``)."""
+    snap = snapshot.running()
     named = (read(run_dir) or {}).get("packages") or {} if run_dir is not None else {}
     return {"code_hash": snap.hash if snap else None, "snapshot": str(snap.path) if snap else None,
             "torch": versions()["torch"], "packages": package_versions(sorted(named)),

@@ -26,6 +26,7 @@ import py_compile
 import re
 import shlex
 import shutil
+import sys
 import sysconfig
 import tempfile
 import time
@@ -320,14 +321,48 @@ def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
 # On the nodes
 
 
-def setup_lines(snap: Snapshot) -> list[str]:
+def setup_lines(snap: Snapshot, python: str = sys.executable) -> list[str]:
     """sbatch script lines (before srun; srun passes the environment on) that make every rank
     import from the snapshot. ``python -m`` puts its working directory first on ``sys.path``, where
     the checkout would shadow the snapshot: PYTHONSAFEPATH (Python 3.11) leaves it out, and the
-    job's directory goes last instead, so modules not in the snapshot still import as before."""
+    job's directory goes last instead, so modules not in the snapshot still import as before.
+
+    First the job checks that every file of the snapshot is still there (``CHECK``), and stops
+    with one line naming it otherwise: a snapshot deleted while the job waited (``switchyard
+    snapshots prune``, by hand) would leave the job's directory on ``PYTHONPATH``, and it would run
+    the working tree under the snapshot's name. ``python -I`` reads neither ``PYTHONPATH`` nor the
+    working directory: the check runs no code but the standard library's."""
     path = str(snap.path)
-    return [f"export PYTHONPATH={_sh(path)}${{PYTHONPATH:+:$PYTHONPATH}}:\"$PWD\"",
+    return [f"{_sh(python)} -I -c {_sh(CHECK)} {_sh(path)} || exit 1",
+            f"export PYTHONPATH={_sh(path)}${{PYTHONPATH:+:$PYTHONPATH}}:\"$PWD\"",
             "export PYTHONSAFEPATH=1", f"export {SNAPSHOT_ENV}={_sh(path)}"]
+
+
+_GONE = ("the code snapshot {path} of this job {what}: it was deleted after the job was submitted, "
+         "so the job stops before running your code. Resubmit the job (a new snapshot is taken), or "
+         "submit with cluster.snapshot.enabled=false to run the working tree")
+
+
+def gone_line(path: Path) -> str:
+    """Why a job whose snapshot is missing stops (``CHECK`` also names an incomplete one)."""
+    return _GONE.format(path=path, what="is missing")
+
+
+# The check and ``gone_line`` in code that imports only the standard library: the job's own
+# interpreter runs it with -I, before anything of Switchyard or the user is imported. Its strings
+# in double quotes (json.dumps): the sbatch script quotes the whole in single quotes.
+CHECK = f"""import json, os, sys
+root = sys.argv[1]
+try:
+    files = json.load(open(os.path.join(root, {json.dumps(MANIFEST)})))["files"]
+    missing = [rel for rel in files if not os.path.isfile(os.path.join(root, rel))]
+except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    missing = [{json.dumps(MANIFEST)}]
+if missing:
+    what = "is missing" if missing == [{json.dumps(MANIFEST)}] else "is incomplete (%s%s gone)" % (
+        missing[0], " and %d more" % (len(missing) - 1) if len(missing) > 1 else "")
+    sys.exit("error: " + {json.dumps(_GONE)}.format(path=root, what=what))
+"""
 
 
 def _sh(value: str) -> str:
@@ -343,6 +378,17 @@ def current() -> Snapshot | None:
     path = Path(value)
     files = read_manifest(path)
     return Snapshot(path.name, path, files or {}, created=False)
+
+
+def running() -> Snapshot | None:
+    """The snapshot whose code this process really runs: the one ``SWITCHYARD_SNAPSHOT`` names,
+    its manifest readable, and Switchyard's own modules imported from it. None otherwise: what ran
+    was not that snapshot, and provenance must not name it (a later resume would pass as the same
+    code)."""
+    snap = current()
+    if snap is None or not snap.files or not imported_from(__file__):
+        return None
+    return snap
 
 
 def imported_from(module_file: str | None) -> bool:

@@ -188,7 +188,10 @@ class RankEntry:
         env = dist_env.detect()
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
                                  local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
-        if snapshot.current() is not None:
+        snap = snapshot.current()
+        if snap is not None:
+            if not snap.files:  # deleted after the job's script checked it (snapshot.setup_lines)
+                raise RankFailed(snapshot.gone_line(snap.path))
             print(code_banner(), flush=True)
             # It kept the job's directory from shadowing the snapshot in this process; a command
             # this rank starts (switchyard run) gets its script's directory on sys.path as usual.

@@ -361,13 +361,15 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     # What it ran: code snapshot, git, config hash, versions; kept in the registry at submission
     # (a registry from before that: its run directory's provenance.json)
     origin = registry.provenance(ref.sweep_id, ref.num) or provenance.read(job.run_dir)
+    resumed = provenance.resumed_from(job.run_dir)
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
                           "config_path": str(config_path), "config": config_text,
                           "attempts": [a.__dict__ for a in attempts],
                           "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
-                          "memory": memory, "warnings": reconciled.warnings, "failure": cause},
+                          "memory": memory, "warnings": reconciled.warnings, "failure": cause,
+                          "resumed_from": resumed},
                          indent=1), file=out)
         return 0
     colour = colour_enabled(out)
@@ -375,6 +377,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
           f"run dir: {job.run_dir}", file=out)
     if origin is not None:
         print("\n".join(provenance.lines(origin)), file=out)
+    if resumed is not None:  # what it continued from, and the config changes applied
+        print("\n".join(provenance.resume_lines(resumed)), file=out)
     print_warnings(reconciled, out)
     cells = [[str(a.attempt), a.slurm_id or "-", a.state, str(a.requeues),
               "-" if a.exit_code is None else str(a.exit_code), a.node or "-", format_time(a.started_at),

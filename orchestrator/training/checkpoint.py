@@ -9,8 +9,9 @@ checksum file (written by a Switchyard before checksums) is loaded unverified, a
 A run writes and prunes only its own checkpoints: each records the run directory that wrote it
 (``writer``), ``save`` refuses to replace one of the same step that another run wrote, and
 ``keep_last`` counts and deletes this run's alone. A checkpoint that records no writer (written
-before writers were recorded) counts as the run's own, as a resume counts it; one that cannot be
-read is never pruned (whose it is is unknown), but may be replaced by a save of its step.
+before writers were recorded) counts as the run's own, as a resume counts it. One that cannot be
+read (damaged, or a file of the same name that is no checkpoint) is neither pruned nor replaced:
+whose it is is unknown, so a save of its step first renames it to ``step-N.pt.unreadable``.
 
 Loading always maps to the CPU first: ``torch.load`` of a checkpoint saved from ``cuda:0`` would
 otherwise put every rank's copy on GPU 0 (the classic "GPU 0 fills up at DDP start").
@@ -141,7 +142,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> P
     already present is what a save killed earlier left (``.step-N.pt.XXXX.tmp``, as large as a
     checkpoint): it is removed first, as the sharded format removes its partial directories."""
     final = path_for(directory, step)
-    check_overwrite(final, writer(state))
+    make_way(final, writer(state))
     remove_leftovers(directory)
     try:
         with atomic_write(final, binary=True) as f:
@@ -260,19 +261,39 @@ def is_own(path: Path, owner: str | None) -> bool:
     return readable and found in (None, owner)
 
 
-def check_overwrite(final: Path, owner: str | None) -> None:
-    """Refuse to replace a checkpoint another run wrote. One this run wrote (a stop right after a
-    resume saves the step it resumed at again) or one that cannot be read (no resume can use it)
-    is replaced."""
+def make_way(final: Path, owner: str | None) -> None:
+    """Before ``owner``'s run saves ``final``: refuse if another run wrote it; set it aside
+    (``set_aside``) if it cannot be read. One this run wrote (a stop right after a resume saves the
+    step it resumed at again) is replaced by the save."""
     if not final.exists():
         return
     readable, found = _whose(final)
-    if readable and found not in (None, owner):
+    if not readable:
+        set_aside(final)
+    elif found not in (None, owner):
         raise CheckpointError(
             f"refusing to overwrite {final}: it was written by another run (hydra.run.dir={found!r}), "
             f"not by this one (hydra.run.dir={owner!r}); a run writes and prunes only its own "
             f"checkpoints. Give this run a checkpoint.dir of its own (leave checkpoint.dir unset for "
             f"RUN_DIR/checkpoints), or continue that run with hydra.run.dir={found!r}")
+
+
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that cannot be read (and its checksum file) out of the way, kept for
+    the user to look at or delete: ``step-N.pt.unreadable`` (``-2``, ``-3``, ... when taken). No
+    longer a checkpoint's name, nor a temp file's: never listed, loaded or removed."""
+    aside = path.with_name(path.name + UNREADABLE_SUFFIX)
+    number = 1
+    while aside.exists() or aside.is_symlink():
+        number += 1
+        aside = path.with_name(f"{path.name}{UNREADABLE_SUFFIX}-{number}")
+    path.rename(aside)
+    if checksum_path(path).exists():
+        checksum_path(path).rename(checksum_path(aside))
+    return aside
 
 
 def prune(directory: Path, keep_last: int, owner: str | None) -> None:

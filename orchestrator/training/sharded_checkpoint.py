@@ -75,7 +75,8 @@ def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[s
     """Every rank calls this (collective over ``group``, the default group when None) with its own
     ``shards`` (``tensors``, or a host copy of them). Rank 0 publishes the directory once it is
     complete, then prunes to ``keep_last`` of this run's own (``checkpoint.prune``); a checkpoint
-    of this step that another run wrote is refused on every rank, not replaced. A background save
+    of this step that another run wrote is refused on every rank, not replaced, and one that
+    cannot be read is set aside (``checkpoint.make_way``). A background save
     passes its own gloo group: its collectives then never interleave with the training's on the
     default group."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -85,7 +86,7 @@ def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[s
     refusal = None
     if rank == 0:
         try:
-            checkpoint.check_overwrite(final, owner)
+            checkpoint.make_way(final, owner)
         except CheckpointError as e:
             refusal = str(e)
         else:  # a save killed earlier left its partial directory: nobody else writes here

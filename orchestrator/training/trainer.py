@@ -673,10 +673,7 @@ class Trainer:
                              "resume_from": self.cfg.checkpoint.resume_from if named else None}
         self.saved_step = self.step
         if self.rt.is_main:
-            print(f"resumed from {found.path} at step {self.step}", flush=True)
-            if changes:
-                print("changed at resume, now applied: " + ", ".join(
-                    f"{k} {old} -> {new}" for k, (old, new) in changes.items()), flush=True)
+            print("\n".join(provenance.resume_lines(self.resumed_from)), flush=True)
 
     def stop_for(self, reason: preemption.StopReason) -> None:
         """Checkpoint, then requeue (time limit) or leave it to SLURM (preemption), then exit."""

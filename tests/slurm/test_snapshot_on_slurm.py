@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,36 @@ def test_a_pending_job_runs_the_code_it_was_submitted_with(tmp_path: Path) -> No
     named = f"code snapshot: {record['snapshot']['hash'][:16]} ({snap})"
     assert named in show.stdout, show.stdout + show.stderr
     assert "git: " in show.stdout
+
+
+def test_a_job_whose_snapshot_was_deleted_while_pending_stops_naming_it(tmp_path: Path,
+                                                                      queued: list[str]) -> None:
+    """The issue: it ran the working tree (the job's directory ends PYTHONPATH), warned only that
+    "something on PYTHONPATH comes before it", and its checkpoints named the deleted snapshot."""
+    src = user_code(tmp_path)
+    marker = tmp_path / "working-tree-imported"
+    blocker = subprocess.run(["sbatch", "--parsable", "--wrap", "sleep 300", "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    queued.append(blocker)
+    proc = train(tmp_path, src, "cluster.wait=false", f"cluster.dependency=afterany:{blocker}",
+                 f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = job_id_of(proc)
+    queued.append(job_id)
+    record = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    snap = Path(record["snapshot"]["path"])
+    shutil.rmtree(snap)  # while the job waits: `switchyard snapshots prune`, or by hand
+    (src / "snapuser" / "models.py").write_text(f"open({str(marker)!r}, 'w').close()\n{GOOD}")
+    subprocess.run(["scancel", blocker], check=True)  # releases the dependency
+    state = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)[job_id]
+    assert state == "FAILED"
+    err = "".join(p.read_text() for p in (tmp_path / "run" / "submitit").glob(f"{job_id}_*_log.err"))
+    assert err == (f"error: the code snapshot {snap} of this job is missing: it was deleted after the "
+                   f"job was submitted, so the job stops before running your code. Resubmit the job (a "
+                   f"new snapshot is taken), or submit with cluster.snapshot.enabled=false to run the "
+                   f"working tree\n"), err
+    assert not marker.exists() and not (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_sweep_stores_one_snapshot_and_every_point_names_it(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ConfigError, SnapshotConfig
-from orchestrator.launch import provenance, snapshot
+from orchestrator.launch import provenance, snapshot, submit
 
 
 def user_package(root: Path, body: str = "X = 1\n") -> Path:
@@ -167,7 +169,8 @@ def test_resume_change_names_the_files_and_torch(tmp_path: Path, on_path: Path) 
 def test_setup_lines_put_the_snapshot_first(tmp_path: Path) -> None:
     snap = snapshot.take(config(tmp_path))
     lines = snapshot.setup_lines(snap)
-    assert lines[0].startswith(f"export PYTHONPATH={snap.path}")
+    assert lines[0].endswith(f" {snap.path} || exit 1")  # the check: the snapshot is whole
+    assert lines[1].startswith(f"export PYTHONPATH={snap.path}")
     assert "export PYTHONSAFEPATH=1" in lines
 
 
@@ -236,3 +239,66 @@ def test_an_unreadable_file_in_the_snapshot_is_one_error_naming_it(tmp_path: Pat
     assert not (tmp_path / "store").exists() or not list((tmp_path / "store").iterdir())
     snap = snapshot.take(config(tmp_path, include=[str(extra)], exclude=["weights.bin"]))
     assert "helpers/util.py" in snap.files
+
+
+def job_script(snap: snapshot.Snapshot) -> subprocess.CompletedProcess[str]:
+    """What the sbatch script runs before srun, then a stand-in for the ranks."""
+    script = "\n".join([*snapshot.setup_lines(snap), "echo the ranks ran"])
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_a_job_whose_snapshot_is_gone_or_incomplete_stops_before_any_code_runs(
+        tmp_path: Path, on_path: Path) -> None:
+    """The issue: a snapshot deleted while its job waited; the job ran the working tree (the job's
+    directory ends PYTHONPATH), and its checkpoints named the snapshot's code hash. The deletion on
+    the real cluster: tests/slurm/test_snapshot_on_slurm.py."""
+    user_package(on_path)
+    snap = snapshot.take(config(tmp_path), ["snap_user_pkg.models.Net"])
+    whole = job_script(snap)
+    assert whole.returncode == 0 and whole.stdout == "the ranks ran\n", whole.stderr
+    (snap.path / "snap_user_pkg" / "models.py").unlink()
+    (snap.path / "orchestrator" / "cli.py").unlink()
+    incomplete = job_script(snap)
+    assert incomplete.returncode == 1 and incomplete.stdout == ""
+    assert incomplete.stderr == (
+        f"error: the code snapshot {snap.path} of this job is incomplete (orchestrator/cli.py and 1 more "
+        f"gone): it was deleted after the job was submitted, so the job stops before running your "
+        f"code. Resubmit the job (a new snapshot is taken), or submit with "
+        f"cluster.snapshot.enabled=false to run the working tree\n")
+    shutil.rmtree(snap.path)
+    missing = job_script(snap)
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr == f"error: {snapshot.gone_line(snap.path)}\n"
+    assert "of this job is missing" in missing.stderr
+
+
+@pytest.fixture
+def named_snapshot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """SWITCHYARD_SNAPSHOT as the job's script sets it, for this process (``snapshot.current``
+    caches it)."""
+    snapshot.current.cache_clear()
+    yield
+    monkeypatch.delenv(snapshot.SNAPSHOT_ENV, raising=False)
+    snapshot.current.cache_clear()
+
+
+def test_a_rank_whose_snapshot_is_gone_stops_naming_it(tmp_path: Path, named_snapshot: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleted after the job's script checked it: the rank stops before the job's function runs."""
+    gone = tmp_path / "store" / ("0" * 64)
+    monkeypatch.setenv(snapshot.SNAPSHOT_ENV, str(gone))
+    called = []
+    with pytest.raises(submit.RankFailed, match=rf"the code snapshot {gone} of this job is missing: .* "
+                                                r"cluster.snapshot.enabled=false"):
+        submit.rank_entry(lambda: called.append(1))()
+    assert called == []
+
+
+def test_a_checkpoint_names_only_the_snapshot_its_code_came_from(tmp_path: Path, named_snapshot: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process imports the checkout, not the snapshot SWITCHYARD_SNAPSHOT names: its
+    checkpoints recorded that snapshot's hash, so a resume under other code passed as the same."""
+    snap = snapshot.take(config(tmp_path))
+    monkeypatch.setenv(snapshot.SNAPSHOT_ENV, str(snap.path))
+    recorded = provenance.for_checkpoint()
+    assert recorded["code_hash"] is None and recorded["snapshot"] is None

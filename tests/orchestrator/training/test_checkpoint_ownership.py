@@ -49,19 +49,25 @@ def test_a_save_never_replaces_or_prunes_another_runs_checkpoints(tmp_path: Path
     assert [s for s, _ in checkpoint.listed(tmp_path)] == [70, 60, 40, 30, 20, 10]  # b kept its last 2
 
 
-def test_a_run_replaces_its_own_checkpoint_and_one_nobody_can_read(tmp_path: Path) -> None:
-    """A stop right after a resume saves the step it resumed at again; a damaged checkpoint is no
-    one's to keep (but it is never pruned: whose it is is unknown)."""
+def test_a_run_replaces_its_own_checkpoint_and_sets_aside_one_nobody_can_read(tmp_path: Path) -> None:
+    """A stop right after a resume saves the step it resumed at again. A file of a checkpoint's
+    name that cannot be read (damaged, or no checkpoint at all) is no one's known: kept, never
+    pruned, and renamed out of the way of a save of its step."""
     checkpoint.save(tmp_path, 10, state(10, "/runs/a"), keep_last=2)
     again = checkpoint.save(tmp_path, 10, {**state(10, "/runs/a"), "w": torch.zeros(64)}, keep_last=2)
     assert checkpoint.load_latest(tmp_path).state["w"].sum() == 0  # type: ignore[union-attr]
     damaged = checkpoint.path_for(tmp_path, 5)
-    damaged.write_bytes(b"garbage")
+    damaged.write_bytes(b"not a checkpoint: the user's own file")
     for step in (20, 30, 40):
         checkpoint.save(tmp_path, step, state(step, "/runs/a"), keep_last=2)
     assert damaged.exists() and not again.exists()
-    checkpoint.save(tmp_path, 5, state(5, "/runs/a"), keep_last=9)
-    assert checkpoint.recorded_state(damaged)["step"] == 5
+    for _ in range(2):
+        checkpoint.save(tmp_path, 5, state(5, "/runs/a"), keep_last=9)
+        damaged.write_bytes(b"garbage")
+    first, second = tmp_path / "step-000000005.pt.unreadable", tmp_path / "step-000000005.pt.unreadable-2"
+    assert first.read_bytes() == b"not a checkpoint: the user's own file"
+    assert second.read_bytes() == b"garbage" and checkpoint.checksum_path(second).exists()  # with its own
+    assert [s for s, _ in checkpoint.listed(tmp_path)] == [40, 30, 5]
 
 
 def _sharded_rank(rank: int, store: str, directory: str, out: Any) -> None:

@@ -7,6 +7,7 @@ definition of ``samples_per_rank`` across a same-size and an elastic resume."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from orchestrator.config import (
     TrainConfig,
 )
 from orchestrator.launch import run_lock
+from orchestrator.registry.db import Job, Registry
+from orchestrator.sweeps.status import cmd_show
 from orchestrator.training import checks, resume, runtime, trainer
 from orchestrator.training.checkpoint import CheckpointError
 
@@ -76,6 +79,28 @@ def test_a_changed_lr_and_schedule_are_the_ones_used_after_a_resume(
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
     assert used == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * s / 8)) for s in range(4, 8)])
     assert summary["resumed_from"]["config_changes"] == {"optim.lr": [0.1, 0.01], "optim.max_steps": [4, 8]}
+
+
+def test_the_changes_applied_at_a_resume_are_told_where_the_user_looks(
+        rank: runtime.Runtime, data: trainer.DataPaths, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue: only rank 0's log named them; the submitting terminal said only 'resumed from ...
+    at step N', and `switchyard show` nothing."""
+    run = tmp_path / "run"
+    train(rank, data, run, config(data, lr=0.1))
+    summary = train(rank, data, run, config(data, lr=0.01, max_steps=6))
+    capsys.readouterr()  # rank 0's own lines
+    told = [f"resumed from {run / 'checkpoints' / 'step-000000004.pt'} at step 4",
+            "changed at resume, now applied: optim.lr 0.1 -> 0.01, optim.max_steps 4 -> 6"]
+    train_job.report(summary, run)  # the submitting side of a blocking python -m jobs.train
+    assert capsys.readouterr().out.splitlines()[:2] == told
+    trainer.write_summary(run, summary)  # as train_rank's rank 0 does
+    registry = Registry(tmp_path / "r.db")
+    sweep = registry.create_sweep("train", "optim.lr=0.01", str(tmp_path), "slurm", "entry")
+    registry.add_jobs([Job(sweep, 0, ["optim.lr=0.01"], str(run), {}, 6)])
+    out = io.StringIO()
+    assert cmd_show(registry, f"{sweep}/0", as_json=False, out=out) == 0
+    assert "\n".join(told) in out.getvalue()
 
 
 def test_a_changed_seed_is_refused_before_submission_and_on_the_ranks(
