@@ -232,6 +232,9 @@ def main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         run(load_config(cfg), Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
+    except submit.JobStoppedError as e:  # a cancel (or preemption) is not a failure: say where it stopped
+        print(f"stopped: {printable(e)}", file=sys.stderr)
+        sys.exit(submit.STOPPED_EXIT_CODE)
     except (ConfigError, submit.JobFailedError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         sys.exit(2)

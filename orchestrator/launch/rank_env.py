@@ -74,4 +74,7 @@ def environment_record(environ: Mapping[str, str], keys: tuple[str, ...]) -> dic
 class AttemptNotOver(SystemExit):
     """Raised by a rank leaving without a result because the job goes on elsewhere: requeued, or
     stopped by SLURM for preemption. The sweep launcher's status report lets it pass, as it lets
-    the trainer's ``JobStopped``: the attempt has not ended."""
+    the trainer's ``JobStopped``: the attempt has not ended. ``stop_reason``, as JobStopped's:
+    the rank's entry point records that it stopped, not died (``submit.mark_stopped``)."""
+
+    stop_reason = "a stop request (SIGTERM, or a requeue)"

@@ -110,6 +110,10 @@ def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path) -> l
     """``submit.results``, and the end it saw recorded in the registry."""
     try:
         values = submit.results(job, run_dir)
+    except submit.JobStoppedError as e:  # cancelled, not failed: where it stopped, its checkpoint
+        if recorded is not None:
+            finish(recorded, e.state, None, str(e))
+        raise
     except submit.JobFailedError as e:
         if recorded is not None:  # "job N failed (FAILED): rank 1 on node n2: ... killed by SIGKILL"
             finish(recorded, "FAILED", 1, " ".join(str(e).splitlines()[:2]))

@@ -6,6 +6,7 @@ before it sees submitit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -47,6 +48,21 @@ class JobFailedError(RuntimeError):
         super().__init__(message)
         self.job_id = job_id
         self.failed_ranks = failed_ranks
+
+
+class JobStoppedError(JobFailedError):
+    """Every rank that did not finish stopped on a stop request (``switchyard cancel``, scancel,
+    preemption) and left cleanly, its checkpoint written: not a failure. The message says where
+    it stopped (``stopped by PREEMPTED at step 676; checkpoint in RUN/checkpoints``)."""
+
+    def __init__(self, message: str, job_id: str, state: str) -> None:
+        super().__init__(message, job_id, [])
+        self.state = state  # CANCELLED locally (only a cancel stops a local job), else SLURM's
+
+
+# ``jobs.train`` and ``switchyard run`` exit with this when their job was stopped: 128 + SIGTERM,
+# as a shell reports a program that SIGTERM ended (errors exit 2).
+STOPPED_EXIT_CODE = 143
 
 
 class RankFailed(RuntimeError):
@@ -196,7 +212,28 @@ class RankEntry:
             # It kept the job's directory from shadowing the snapshot in this process; a command
             # this rank starts (switchyard run) gets its script's directory on sys.path as usual.
             os.environ.pop("PYTHONSAFEPATH", None)
-        return self.fn(*args, **kwargs)
+        try:
+            return self.fn(*args, **kwargs)
+        except SystemExit as e:
+            if getattr(e, "stop_reason", None):  # the trainer's JobStopped, rank_env.AttemptNotOver
+                mark_stopped(str(getattr(e, "stop_reason")))  # noqa: B009 (SystemExit has none)
+            raise
+
+
+def stopped_file(result_pickle: Path) -> Path:
+    """Beside a rank's result file: written instead of a result when the rank left on a stop
+    request (the trainer's JobStopped, a command's AttemptNotOver), so the submitting side tells
+    a rank that stopped cleanly from one that died."""
+    return result_pickle.with_suffix(".stopped")
+
+
+def mark_stopped(reason: str) -> None:
+    try:
+        paths = submitit.JobEnvironment().paths
+    except Exception:  # not a submitit job (debug mode): nobody waits on files
+        return
+    with contextlib.suppress(OSError):
+        stopped_file(paths.result_pickle).write_text(reason)
 
 
 def code_banner() -> str:
@@ -350,6 +387,14 @@ class RankOutcome:
     result: Any = None
     error: str | None = None  # the rank's own traceback, when it raised
     no_output: str | None = None  # it never wrote a result: killed, or the job died around it
+    stopped: str | None = None  # it left on a stop request (its reason), its checkpoint written
+
+
+def _stopped(task: submitit.Job[Any]) -> str | None:
+    try:
+        return stopped_file(task.paths.result_pickle).read_text() or "stop request"
+    except OSError:
+        return None
 
 
 def _tasks(job: submitit.Job[Any]) -> list[submitit.Job[Any]]:
@@ -385,7 +430,7 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
             started = started or bool(found)
         died = [(rank, LOCAL_DEATH) for rank, process in seen.items()
                 if rank < len(tasks) and (process is None or not local_jobs.alive(process))
-                and not tasks[rank].paths.result_pickle.exists()]
+                and not tasks[rank].paths.result_pickle.exists() and not _stopped(tasks[rank])]
         if died or any(_raised(task) for task in tasks):
             stop_local(job)
             break
@@ -421,6 +466,9 @@ def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
     tasks = _tasks(job)
     outcomes = []
     for rank, task in enumerate(tasks):
+        if not task.paths.result_pickle.exists() and (reason := _stopped(task)) is not None:
+            outcomes.append(RankOutcome(rank, stopped=reason))
+            continue
         if not task.paths.result_pickle.exists():
             # The job has ended: a missing result will not appear (submitit would wait 15 s per
             # rank for it). The rank was killed, or the job died before it could write one.
@@ -448,8 +496,26 @@ def results(job: submitit.Job[R], run_dir: Path | None = None) -> list[R]:
     died = wait_fail_fast(job)
     outcomes = rank_outcomes(job)
     if all(o.error is None and o.no_output is None for o in outcomes):
+        if any(o.stopped for o in outcomes):
+            raise stopped(job, outcomes)
         return [o.result for o in outcomes]
     raise failure(job, outcomes, died, run_dir)
+
+
+_STOPPED_LINE = re.compile(r"^.*\bstopped by [^\n]*$", re.MULTILINE)
+
+
+def stopped(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobStoppedError:
+    """The report of a job its ranks left on a stop request: its state, and where it stopped as
+    rank 0's log says (the trainer: ``stopped by PREEMPTED at step 676; checkpoint in DIR``)."""
+    state = "CANCELLED" if isinstance(job, LocalJob) else final_state(job)
+    try:
+        said = _STOPPED_LINE.findall(_tasks(job)[0].paths.stdout.read_text(errors="replace"))
+    except OSError:
+        said = []
+    where = said[-1].strip() if said else f"ranks {[o.rank for o in outcomes if o.stopped]} stopped " \
+        f"on a stop request ({next(o.stopped for o in outcomes if o.stopped)})"
+    return JobStoppedError(f"job {job.job_id} was stopped ({state}): {where}", str(job.job_id), state)
 
 
 # Errors a rank raises because *another* rank went away: consequences, not causes.

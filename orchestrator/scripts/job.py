@@ -193,6 +193,9 @@ def hydra_main(cfg: DictConfig) -> None:
         typed = load_config(cfg)
         run(typed, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task),
             OmegaConf.to_yaml(cfg, resolve=True))
+    except submit.JobStoppedError as e:  # a cancel (or preemption) is not a failure
+        print(f"stopped: {printable(e)}", file=sys.stderr)
+        sys.exit(submit.STOPPED_EXIT_CODE)
     except (ConfigError, submit.JobFailedError, rank.CommandFailed) as e:
         if isinstance(e, rank.CommandFailed) and dist_env.inside_launched_job():
             raise  # a sweep point's rank: its report keeps the rank, the command's status and signal

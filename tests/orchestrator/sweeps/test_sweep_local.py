@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -231,6 +232,36 @@ def test_cancel_stops_a_local_training_job_at_a_step_boundary_with_a_checkpoint(
     logs = "".join(p.read_text() for p in (tmp_path / "multirun").rglob("*_0_log.out"))
     assert "stopped by PREEMPTED at step" in logs
     assert [j["state"] for j in status_json(tmp_path, "1")["jobs"]] == ["CANCELLED"]
+
+
+def test_a_cancelled_blocking_local_run_reports_a_cancellation_with_where_it_stopped(tmp_path: Path) -> None:
+    """The ranks stop cleanly on cancel's SIGTERM and leave no result: the blocking submitter read
+    that as a death (`error: ... rank 0 ... no result`, exit 2, the job FAILED). Now: `stopped:`,
+    the step and the checkpoint, exit 143, and CANCELLED with the same words in status."""
+    run_dir = tmp_path / "run"
+    submitter = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", "cluster=local", "optim.max_steps=1000000", "log_every_steps=1",
+         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run_dir / "metrics.jsonl").exists()
+                   and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline and submitter.poll() is None, submitter.communicate()
+            time.sleep(0.2)
+        cancel = switchyard(tmp_path, "cancel", "1", "--grace", "5")
+        assert "cancelled 1 job(s)" in cancel.stdout, cancel.stderr
+        _, stderr = submitter.communicate(timeout=120)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+            switchyard(tmp_path, "cancel", "1", "--grace", "0")
+    assert submitter.returncode == 143, stderr[-3000:]
+    assert re.search(r"stopped: job \d+ was stopped \(CANCELLED\): stopped by PREEMPTED at step \d+; "
+                     rf"checkpoint in {re.escape(str(run_dir / 'checkpoints'))}", stderr), stderr[-3000:]
+    assert "error:" not in stderr
+    (job,) = status_json(tmp_path, "1")["jobs"]
+    assert job["state"] == "CANCELLED" and "stopped by PREEMPTED at step" in job["error"], job
 
 
 def damage(path: Path) -> None:
