@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.fixturenames.insert(0, "slurm_cluster")  # type: ignore[attr-defined]
+            # Under pytest-xdist's --dist loadgroup, one worker runs them all, one after another:
+            # the two nodes hold one test's jobs at a time, as without xdist.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``data.cache_dir`` for the whole test run, shared by pytest-xdist's workers: the demo data
+    of each size is generated once, under a file lock (``jobs.demo_data``), and only read after."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's basetemp is a folder of the run's
+    return root / "demo-cache"
