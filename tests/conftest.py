@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -73,12 +72,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             # the two nodes hold one test's jobs at a time, as without xdist.
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
-
-@pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One ``data.cache_dir`` for the whole test run, shared by pytest-xdist's workers: the demo data
-    of each size is generated once, under a file lock (``jobs.demo_data``), and only read after."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # each worker's basetemp is a folder of the run's
-    return root / "demo-cache"

@@ -20,13 +20,19 @@ from orchestrator.training import runtime
 SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16", "log_every_steps=5"]
 
 
+def demo_cache(tmp_path: Path) -> Path:
+    """Beside every test's own directory: the demo data is generated once per test run (and per
+    pytest-xdist worker), under a file lock, and only read after."""
+    return tmp_path.parent / "demo-cache"
+
+
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return run_train(*SMALL, *overrides, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run")
+    return run_train(*SMALL, *overrides, cache_dir=demo_cache(tmp_path), run_dir=tmp_path / "run")
 
 
 def refused(tmp_path: Path, *overrides: str) -> str:
     """What ``train(tmp_path, *overrides)`` would print on stderr as it refuses, found in this process."""
-    return refusal(*SMALL, f"data.cache_dir={tmp_path / 'cache'}", *overrides)
+    return refusal(*SMALL, f"data.cache_dir={demo_cache(tmp_path)}", *overrides)
 
 
 def read_summary(run_dir: Path) -> dict:  # type: ignore[type-arg]
