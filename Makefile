@@ -38,6 +38,11 @@ typecheck: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Two workers: most of a test's time is spent waiting for the processes it starts, so a second one
+# keeps both cores busy; the SLURM tests stay on one worker (tests/conftest.py, --dist loadgroup).
+# --durations: the 25 slowest in every run, where the suite's time goes (docs/development.md).
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
+
 pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -68,3 +68,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.fixturenames.insert(0, "slurm_cluster")  # type: ignore[attr-defined]
+            # Under pytest-xdist's --dist loadgroup, one worker runs them all, one after another:
+            # the two nodes hold one test's jobs at a time, as without xdist.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+

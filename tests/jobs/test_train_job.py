@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from train_helpers import CHEAP, refusal, run_train
 
 from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime
@@ -19,11 +20,19 @@ from orchestrator.training import runtime
 SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16", "log_every_steps=5"]
 
 
+def demo_cache(tmp_path: Path) -> Path:
+    """Beside every test's own directory: the demo data is generated once per test run (and per
+    pytest-xdist worker), under a file lock, and only read after."""
+    return tmp_path.parent / "demo-cache"
+
+
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-        capture_output=True, text=True, timeout=600)
+    return run_train(*SMALL, *overrides, cache_dir=demo_cache(tmp_path), run_dir=tmp_path / "run")
+
+
+def refused(tmp_path: Path, *overrides: str) -> str:
+    """What ``train(tmp_path, *overrides)`` would print on stderr as it refuses, found in this process."""
+    return refusal(*SMALL, f"data.cache_dir={demo_cache(tmp_path)}", *overrides)
 
 
 def read_summary(run_dir: Path) -> dict:  # type: ignore[type-arg]
@@ -100,9 +109,17 @@ def test_same_config_in_debug_mode(tmp_path: Path) -> None:
      "parallelism.nodes=2 is invalid: GPUs in cluster=local run on this machine, one rank per GPU"),
 ])
 def test_bad_input_fails_before_submitting(tmp_path: Path, override: str, message: str) -> None:
-    proc = train(tmp_path, *override.split(), "data.num_classes=4")
-    assert proc.returncode != 0
-    assert message in proc.stderr
+    """In this process: ``jobs.train`` checks all of it before it builds the executor."""
+    error = refused(tmp_path, *override.split(), "data.num_classes=4")
+    assert message in error
+
+
+def test_a_refusal_is_one_line_and_exit_code_2_and_submits_nothing(tmp_path: Path) -> None:
+    """The refusals above, as ``python -m jobs.train`` tells them."""
+    proc = train(tmp_path, "data.input_field=nope", "data.num_classes=4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip() == refused(tmp_path, "data.input_field=nope", "data.num_classes=4")
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
     assert not (tmp_path / "run" / "submitit").exists(), "nothing may be submitted"
 
 
@@ -140,7 +157,7 @@ def test_a_stopped_run_continued_in_place_ends_bit_identical(tmp_path: Path) -> 
     Dropout: the masks after the resume are the uninterrupted run's only if nothing but the model
     draws from the restored generator (a DataLoader's new iterator drew its seed from it)."""
     same = ["model=transformer", "model.dropout=0.1", "parallelism.procs_per_node=3", "deterministic=true",
-            "log_every_steps=1", "telemetry.enabled=false"]
+            "log_every_steps=1", *CHEAP]
     straight = train(tmp_path / "a", *same, "optim.max_steps=24")
     assert straight.returncode == 0, straight.stderr[-3000:]
     first_half = train(tmp_path / "b", *same, "optim.max_steps=9")
@@ -193,7 +210,7 @@ def test_fixed_length_inputs_train_and_evaluate(tmp_path: Path) -> None:
                 x = rng.normal(size=(8, 16)).astype(np.float32) + i % 4
                 writer.append({"x": x, "y": np.int64(i % 4)})
     proc = train(tmp_path, f"data.path={tmp_path / 'train'}", f"data.eval_path={tmp_path / 'eval'}",
-                 "data.num_classes=4", "optim.max_steps=20", "telemetry.enabled=false")
+                 "data.num_classes=4", "optim.max_steps=20", *CHEAP)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(tmp_path / "run")
     assert summary["steps"] == 20 and summary["eval_samples_counted"] == summary["eval_set_size"] == 64
@@ -224,15 +241,13 @@ def test_labels_beyond_num_classes_fail_before_submitting(tmp_path: Path, record
     as data.eval_path, only in the final evaluation, after all the training."""
     train_set = labelled(tmp_path / "train", [0, 1] * 64, record_range)
     eval_set = labelled(tmp_path / "eval", [0, 1, 2, 3] * 16, record_range)
-    proc = train(tmp_path, f"data.path={train_set}", f"data.eval_path={eval_set}", "data.num_classes=2")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: data.num_classes=2 is invalid: data.eval_path='{eval_set}' "
-                                   f"has labels 0..3 in 'y', so the model needs at least 4 classes "
-                                   f"(try data.num_classes=4)")
-    assert not (tmp_path / "run" / "submitit").exists()
+    error = refused(tmp_path, f"data.path={train_set}", f"data.eval_path={eval_set}", "data.num_classes=2")
+    assert error == (f"error: data.num_classes=2 is invalid: data.eval_path='{eval_set}' "
+                     f"has labels 0..3 in 'y', so the model needs at least 4 classes "
+                     f"(try data.num_classes=4)")
     negative = labelled(tmp_path / "negative", [-1, 0, 1] * 8, record_range)
-    proc = train(tmp_path, f"data.path={negative}", "data.num_classes=2")
-    assert proc.returncode == 2 and "has labels -1..1 in 'y': class indices must be >= 0" in proc.stderr
+    error = refused(tmp_path, f"data.path={negative}", "data.num_classes=2")
+    assert "has labels -1..1 in 'y': class indices must be >= 0" in error
 
 
 def test_the_writer_records_the_label_range(tmp_path: Path) -> None:
@@ -256,11 +271,9 @@ def test_a_damaged_shard_met_while_scanning_labels_is_one_error(tmp_path: Path) 
     first_y_offset = header_and_table + 8 * 64
     data[first_y_offset:first_y_offset + 8] = np.int64(1 << 40).tobytes()
     index.write_bytes(bytes(data))
-    proc = train(tmp_path, f"data.path={path}", "data.num_classes=2")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().startswith(f"error: data.path='{path}' cannot be read: shard 0 ({index}): "
-                                          f"field 'y' of local sample 0 lies outside the ")
-    assert not (tmp_path / "run" / "submitit").exists()
+    error = refused(tmp_path, f"data.path={path}", "data.num_classes=2")  # any other error propagates
+    assert error.startswith(f"error: data.path='{path}' cannot be read: shard 0 ({index}): "
+                            f"field 'y' of local sample 0 lies outside the ")
 
 
 FAILING_MODEL = '''

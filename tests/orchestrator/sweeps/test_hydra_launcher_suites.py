@@ -1,8 +1,9 @@
-"""Hydra's own launcher test suites, run against switchyard_slurm on the local SLURM cluster, as the
-official launcher plugins run them against theirs.
+"""Hydra's own launcher test suites, run against switchyard_local as Hydra's submitit plugin runs
+its suites against submitit_local: every case is a real sweep through the launcher, each point a
+process of its own, without a SLURM round trip per case. One of the suites' sweeps runs on the
+local SLURM cluster too (tests/slurm/test_hydra_launcher_on_slurm.py).
 
-Blocking mode (the suites check return values), one node, one task, two-minute time limit: each
-sweep is a real sbatch array round trip.
+Blocking mode (the suites check return values), two-minute time limit.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from hydra.test_utils.launcher_common_tests import (
 
 from hydra_plugins.switchyard_launcher.launcher import SwitchyardLauncher
 
-pytestmark = pytest.mark.slurm
-
 LAUNCHER_SETTINGS = {"timeout_min": 2, "poll_s": 0.2, "wait": True}
 
 
@@ -38,24 +37,24 @@ def test_discovery() -> None:
 
 
 @pytest.mark.parametrize(("launcher_name", "overrides"), [
-    ("switchyard_slurm", [f"hydra.launcher.{k}={v}" for k, v in LAUNCHER_SETTINGS.items()]),
+    ("switchyard_local", [f"hydra.launcher.{k}={v}" for k, v in LAUNCHER_SETTINGS.items()]),
 ])
-class TestSwitchyardSlurmLauncher(LauncherTestSuite):
+class TestSwitchyardLocalLauncher(LauncherTestSuite):
     pass
 
 
 @pytest.mark.parametrize(("launcher_name", "overrides"), [
-    ("switchyard_slurm", [f"hydra.launcher.{k}={v}" for k, v in LAUNCHER_SETTINGS.items()]
+    ("switchyard_local", [f"hydra.launcher.{k}={v}" for k, v in LAUNCHER_SETTINGS.items()]
      + ["hydra.sweeper.max_batch_size=2"]),
 ])
-class TestSwitchyardSlurmLauncherBatches(BatchedSweeperTestSuite):
-    """Hydra hands the launcher 3 batches of 2: three launch() calls, one array each."""
+class TestSwitchyardLocalLauncherBatches(BatchedSweeperTestSuite):
+    """Hydra hands the launcher 3 batches of 2: three launch() calls, one sweep record each."""
 
 
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"), [(
-    {"defaults": [{"override hydra/launcher": "switchyard_slurm"}],
+    {"defaults": [{"override hydra/launcher": "switchyard_local"}],
      "hydra": {"launcher": LAUNCHER_SETTINGS}},
     ["-m"],
 )])
-class TestSwitchyardSlurmLauncherIntegration(IntegrationTestSuite):
+class TestSwitchyardLocalLauncherIntegration(IntegrationTestSuite):
     pass
