@@ -51,7 +51,7 @@ from orchestrator.launch import (
 )
 from orchestrator.quick_exit import exit_now
 from orchestrator.terminal import printable, refuse_control
-from orchestrator.training import checks, estimate, resume, trainer
+from orchestrator.training import checks, estimate, rank_process, resume, trainer
 from orchestrator.training.checkpoint import CheckpointError
 
 register_configs()
@@ -118,7 +118,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if dist_env.inside_launched_job():
         # A sweep point already running as its own SLURM job (every rank runs this): train here.
         # The launcher checked the config and prepared the data before submitting.
-        return trainer.train_rank(cfg, data_paths(cfg), str(run_dir))
+        return rank_process.train_rank(cfg, data_paths(cfg), str(run_dir))
     launch = dist_env.attached_launch()
     if launch is not None:
         return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
@@ -137,7 +137,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if memory is not None:
         print(memory.line(), flush=True)
         estimate.write_report(run_dir, memory)  # rank 0 puts it in summary.json beside the peak
-    job = submit.submit(executor, trainer.train_rank, cfg, paths, str(run_dir))
+    job = submit.submit(executor, rank_process.train_rank, cfg, paths, str(run_dir))
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
                                        OmegaConf.to_yaml(cfg))
@@ -153,7 +153,7 @@ def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, expl
     if launch.is_main:
         print(f"run_dir: {run_dir}\nattached to {launcher}: {launch.world_size} ranks on "
               f"{launch.num_nodes} node(s); cluster.mode={cfg.cluster.mode!r} is not used", flush=True)
-        with trainer.before_rendezvous(launch, run_dir):
+        with rank_process.before_rendezvous(launch, run_dir):
             cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
                 cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
             paths, memory = check_before_submit(cfg, run_dir)
@@ -181,7 +181,7 @@ SAME_ON_EVERY_RANK = (ConfigError, CheckpointError)
 
 def train_attached(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path, launch: dist_env.DistEnv
                    ) -> dict[str, Any]:
-    """``trainer.train_rank`` as one rank of the user's own launch, its failures told as
+    """``rank_process.train_rank`` as one rank of the user's own launch, its failures told as
     ``cluster=slurm`` tells them: a refusal once, in one line; a collective timeout by the
     heartbeats' verdict, naming the rank the others waited for (``attach.hang_report``). Either
     exits 2; any other error is the rank's own and keeps its traceback (exit 1).
@@ -192,7 +192,7 @@ def train_attached(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path, la
     never exited and the user's torchrun waited for it forever (seen once in CI, rank 0 of
     test_a_frozen_rank_under_torchrun_is_named)."""
     try:
-        return trainer.train_rank(cfg, paths, str(run_dir))
+        return rank_process.train_rank(cfg, paths, str(run_dir))
     except SAME_ON_EVERY_RANK as e:
         if launch.is_main:
             print(f"error: {printable(e)}", file=sys.stderr, flush=True)

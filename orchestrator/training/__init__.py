@@ -1,7 +1,13 @@
 """What each rank does, once it runs.
 
-- ``trainer``: the rank's entry point (``train_rank``) and the training loop: loaders, model,
-  optimizer, evaluation, metrics, the summary;
+- ``rank_process``: the rank's entry point (``train_rank``): start-up and shutdown around the loop;
+- ``trainer``: the training loop, which knows no task, no checkpoint format and no strategy;
+- ``step``: one step's maths (builders, autocast, loss, micro-batches, evaluation's forward passes),
+  shared with the memory estimate (``estimate``);
+- ``loaders``, ``metrics``, ``nonfinite``, ``memory_report``: the rank's data, the metrics window
+  and peaks, the NaN/inf guard, the memory section of the summary;
+- ``train_state``: what a checkpoint holds besides the weights, from components that save and
+  restore themselves;
 - ``runtime``: the device and the process group, DDP wrapping, reductions over ranks;
 - ``checkpoint``: atomic save, newest-readable load;
 - ``preemption``: SIGUSR2/SIGTERM to a flag all ranks agree on at a step boundary, then requeue.

@@ -22,6 +22,7 @@ previous checkpoint as the newest good one (the next save removes what the kille
 
 from __future__ import annotations
 
+import abc
 import copy
 import threading
 import time
@@ -56,8 +57,9 @@ class SaveStats:
                 "checkpoint_slowest_save_s": max(self.save_s_per_save, default=0.0)}
 
 
-class Checkpointer:
-    """The interface. ``save``, ``find`` and ``load`` are collective: every rank calls them."""
+class Checkpointer(abc.ABC):
+    """The interface. ``save``, ``find`` and ``load`` are collective: every rank calls them. A
+    format that lacks one of its methods fails when it is built, not at its first save."""
 
     kind = ""  # the strategy whose checkpoints these are: "ddp" or "fsdp"
 
@@ -66,9 +68,10 @@ class Checkpointer:
         self.stats = SaveStats()
         self.pending: _Background | None = None
 
+    @abc.abstractmethod
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any], *, blocking: bool) -> None:
-        raise NotImplementedError
+        """Write ``step``: the model, the optimizer and ``train_state`` (``train_state``)."""
 
     def poll(self) -> None:
         """Raise a background save's failure (at a step boundary); never waits."""
@@ -110,11 +113,13 @@ class Checkpointer:
         check_kind(Path(listed[0]), self.kind)
         return self._find([Path(p) for p in listed])
 
+    @abc.abstractmethod
     def _find(self, listed: list[Path]) -> Found | None:
-        raise NotImplementedError
+        """The newest good one of ``listed`` (newest first), the same on every rank."""
 
+    @abc.abstractmethod
     def load(self, found: Found, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
+        """The model's and the optimizer's state from ``found``, onto this rank's."""
 
 
 def check_kind(newest: Path, kind: str) -> None:

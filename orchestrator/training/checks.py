@@ -17,8 +17,9 @@ from torch import nn
 from orchestrator.config import ConfigError, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
 from orchestrator.training import estimate, resume, run_log, strategy
+from orchestrator.training.step import build_model
 from orchestrator.training.tasks import Batch, Task, build_task
-from orchestrator.training.trainer import DataPaths, build_model
+from orchestrator.training.trainer import DataPaths
 from sharding import DatasetError, ShardedDataset, open_dataset
 from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 

@@ -20,9 +20,6 @@ The GPU's size (``gpu_capacity``): ``cluster.gpu_mem_gb``; on ``cluster=local`` 
 machine; on ``cluster=slurm`` the GPU type the job asks for (``--gres=gpu:h100:4`` in
 ``cluster.sbatch_args``, a ``cluster.constraint``, or the partition's GRES), from ``GPU_GIB``.
 A CPU run is held against the machine's memory per rank.
-
-``trainer`` is imported as a module: it imports this one (for the summary), so its names are read
-at call time, never while either module is half-loaded.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # with torch'
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, TrainConfig
 from orchestrator.telemetry import nvml
-from orchestrator.training import runtime, strategy, trainer
+from orchestrator.training import runtime, step, strategy
 from orchestrator.training.tasks import Batch, Task
 from sharding import ShardedDataset
 
@@ -215,10 +212,10 @@ def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
     try:
         with fake_world(cfg.parallelism.world_size if fsdp else 0) as mesh, FakeTensorMode() as mode:
             fake = {k: mode.from_tensor(v) if k in task.fields() else v for k, v in batch.items()}
-            model = trainer.build_model(cfg.model, kwargs, cfg.memory)
+            model = step.build_model(cfg.model, kwargs, cfg.memory)
             if mesh is not None:
                 shard(model, cfg, mesh)
-            optimizer = trainer.build_optimizer(model.parameters(), cfg.optim)
+            optimizer = step.build_optimizer(model.parameters(), cfg.optim)
             for group in optimizer.param_groups:  # as torch picks on CUDA: its temporaries count
                 group["foreach"] = cfg.parallelism.gpus_per_node > 0
             snapshot = tracked_steps(cfg, task, model, optimizer, fake, fsdp)
@@ -269,13 +266,13 @@ def tracked_steps(cfg: TrainConfig, task: Task, model: nn.Module, optimizer: tor
         tracker.track_external(model, optimizer, *batch.values())
     micro_batches = min(cfg.optim.grad_accum_steps, 2)
     denominator = task.denominator(cfg.data.batch_size) * cfg.optim.grad_accum_steps
-    amp = cfg.memory.amp if not fsdp else "none"  # fsdp: the mixed-precision policy casts
+    amp = strategy.autocast_amp(cfg.parallelism, cfg.memory)
     model.train()
     with tracker:
         for _ in range(2):  # the first step creates the optimizer state
             for _ in range(micro_batches):
                 tracker.reset_mod_stats()  # the tracker refuses a module called twice otherwise
-                loss, _, _ = trainer.batch_loss(model, batch, task, amp, denominator)
+                loss, _, _ = step.batch_loss(model, batch, task, amp, denominator)
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -307,7 +304,7 @@ def categorise(snapshot: dict[str, int], buckets: int) -> Estimate:
 def state_bytes(cfg: TrainConfig, kwargs: dict[str, Any]) -> int:
     """Bytes of the model's trainable parameters (built on the meta device: nothing allocated)."""
     with torch.device("meta"):
-        model = trainer.build_model(cfg.model, kwargs, cfg.memory)
+        model = step.build_model(cfg.model, kwargs, cfg.memory)
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from orchestrator.training import estimate
 from orchestrator.training.runtime import Runtime
 
 Batch = dict[str, torch.Tensor]
@@ -121,8 +122,13 @@ class AutoMicroBatch:
         """Pieces per optimizer step: what ``optim.grad_accum_steps`` would be at this micro-batch."""
         return self.grad_accum_steps * -(-self.batch_size // self.size)
 
-    def restore(self, saved: dict[str, Any] | None) -> None:
-        """A checkpoint's record (``as_summary``; None: written without auto_microbatch, or before
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's record: what the summary shows. A resume starts at the micro-batch the
+        run had come down to."""
+        return self.as_summary()
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """A checkpoint's record (``state_dict``; None: written without auto_microbatch, or before
         it existed). The size is kept below this run's ``data.batch_size``."""
         if saved is not None:
             self.size = max(1, min(int(saved["micro_batch_size"]), self.batch_size))
@@ -164,8 +170,6 @@ class AutoMicroBatch:
                   f"the same samples and gradient; memory.auto_microbatch=true)", flush=True)
 
     def give_up(self, number: int, ranks: list[int]) -> str:
-        from orchestrator.training import estimate  # here: estimate imports the trainer, which imports this
-
         report = estimate.read_report(self.run_dir) or {}
         found, capacity = report.get("estimate_bytes"), report.get("capacity_bytes")
         if found:

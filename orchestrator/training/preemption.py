@@ -16,6 +16,12 @@ Which signal means what:
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from orchestrator.launch.dist_env import DistEnv
 
 # One home for the signals, the reasons and the flag, shared with switchyard.preemption; re-exported
 # here, where the trainer looks for them.
@@ -44,3 +50,57 @@ def requeue(job_id: str) -> None:
                           check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")
+
+
+class StopPoll:
+    """The preemption flag, OR-ed over ranks without a synchronous round trip per step.
+
+    Each step starts an asynchronous all-reduce of this rank's flag and reads the previous step's
+    result: every rank reads the same reduced value at the same step, so they all stop together,
+    one step after the signal, and the latency hides behind the step's compute.
+
+    The flag is a CPU tensor on purpose: on a GPU run it goes over the group's gloo backend, never
+    onto the GPU's stream, and reading it is no host-device sync (Lightning broadcasts its flag as a
+    GPU tensor and reads it with ``.item()`` every step, which stalls the GPU).
+    """
+
+    def __init__(self, flag: StopFlag) -> None:
+        self.flag = flag
+        self.pending: tuple[torch.Tensor, Any] | None = None
+
+    def poll(self) -> StopReason:
+        decided = StopReason.NONE
+        if self.pending is not None:
+            buffer, work = self.pending
+            work.wait()
+            decided = StopReason(int(buffer.item()))
+        buffer = torch.tensor([int(self.flag.reason)], dtype=torch.int64, device="cpu")
+        self.pending = (buffer, torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX,
+                                                             async_op=True))
+        return decided
+
+    def drain(self) -> None:
+        """Wait for the last reduction (every rank started it; none may leave it unfinished)."""
+        if self.pending is not None:
+            self.pending[1].wait()
+            self.pending = None
+
+
+def leave(reason: StopReason, env: DistEnv, max_requeues: int, step: int, checkpoint_dir: Path,
+          run_dir: Path) -> NoReturn:
+    """Every rank, once the checkpoint of ``step`` is on disk: requeue (the time limit, on SLURM,
+    up to ``cluster.max_requeues``) or leave it to SLURM (preemption), then exit."""
+    if reason == StopReason.TIME_LIMIT and env.source == "slurm":
+        if env.restart_count >= max_requeues:
+            raise RequeueLimitError(
+                f"job {env.job_id} reached its time limit again after {env.restart_count} requeues "
+                f"(cluster.max_requeues={max_requeues}); checkpoint at step {step} is in "
+                f"{checkpoint_dir}. Raise cluster.max_requeues or cluster.timeout_min, or "
+                f"rerun with hydra.run.dir={run_dir} to continue.")
+        if env.is_main:
+            requeue(env.job_id)
+            print(f"requeued job {env.job_id} at step {step} "
+                  f"({env.restart_count + 1}/{max_requeues} requeues)", flush=True)
+    elif env.is_main:
+        print(f"stopped by {reason.name} at step {step}; checkpoint in {checkpoint_dir}", flush=True)
+    raise JobStopped(-1, reason.name)

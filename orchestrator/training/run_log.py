@@ -1,7 +1,7 @@
 """Where a run's metrics go: ``metrics.jsonl`` always, TensorBoard and W&B when chosen (``logger``).
 
 Rank 0 writes, and only at log steps: the values arrive already reduced over all ranks
-(``trainer.MetricsWindow``), so no backend sees one rank's view and no step that does not log
+(``metrics.MetricsWindow``), so no backend sees one rank's view and no step that does not log
 pays for logging.
 
 Requeue-safe, also after ``kill -9`` (no checkpoint at the stop): a run that resumes from the

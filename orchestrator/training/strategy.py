@@ -9,8 +9,8 @@
 
 Everything the trainer does differently per strategy is a method here, so the loop reads the same:
 ``wrap``, ``module`` (the user's model), ``grad_sync`` (skip the reduction on all micro-batches but
-the last), ``global_norm`` and ``param_checksum``. Under fsdp the trainer does not autocast:
-the mixed-precision policy (``mixed_precision``) casts parameters and inputs. Checkpoints differ
+the last), ``global_norm``, ``param_checksum`` and ``autocast_amp``: under fsdp the step does not
+autocast, as the mixed-precision policy (``mixed_precision``) casts parameters and inputs. Checkpoints differ
 too: ddp's rank 0 writes one file (``checkpoint``), fsdp's ranks each write their shards
 (``sharded_checkpoint``); ``is_sharded`` picks.
 
@@ -103,6 +103,11 @@ class Ddp:
         assert isinstance(model, nn.parallel.DistributedDataParallel)
         return contextlib.nullcontext() if sync else model.no_sync()
 
+    @staticmethod
+    def autocast_amp(amp: str) -> str:
+        """What the step's autocast runs for ``memory.amp``: ddp autocasts to it."""
+        return amp
+
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         return norm  # DDP's gradients are already the same on every rank
 
@@ -165,6 +170,11 @@ class Fsdp(Ddp):
         model.set_requires_gradient_sync(sync)  # every unit: accumulate unsharded, reduce at the last
         return contextlib.nullcontext()
 
+    @staticmethod
+    def autocast_amp(amp: str) -> str:
+        """None: the mixed-precision policy casts parameters and inputs; autocast would cast again."""
+        return "none"
+
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The norm over every rank's shard (a collective: every rank calls it, on the device)."""
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -185,6 +195,11 @@ def _non_persistent_buffers(model: nn.Module) -> bool:
 
 def for_run(rt: Runtime, parallelism: ParallelismConfig, memory: MemoryConfig) -> Strategy:
     return Fsdp(rt, parallelism, memory) if parallelism.strategy == "fsdp" else Ddp(rt)
+
+
+def autocast_amp(parallelism: ParallelismConfig, memory: MemoryConfig) -> str:
+    """``Strategy.autocast_amp`` of the configured strategy, without building it (the estimate)."""
+    return (Fsdp if parallelism.strategy == "fsdp" else Ddp).autocast_amp(memory.amp)
 
 
 def checksum(named: Iterator[tuple[str, torch.Tensor]] | Any) -> str:

@@ -16,7 +16,7 @@ import pytest
 from rank_helpers import one_rank, write_rows_dataset
 
 from orchestrator.config import DataConfig, LoggerConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
-from orchestrator.training import runtime, trainer
+from orchestrator.training import metrics, preemption, runtime, trainer
 from orchestrator.training.run_log import RunLog
 
 torch = pytest.importorskip("torch")
@@ -51,9 +51,9 @@ def test_steps_that_do_not_log_never_sync_the_gpu(one_gpu_rank: runtime.Runtime,
                       optim=OptimConfig(grad_accum_steps=2, clip_grad_norm=1.0, max_steps=50),
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
     run = trainer.Trainer(cfg, trainer.DataPaths(train=dataset, eval=None), tmp_path, one_gpu_rank)
-    stream = run.batches()
-    window = trainer.MetricsWindow(one_gpu_rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))
-    stops = trainer.StopPoll(run.stop)
+    stream = run.data.batches()
+    window = metrics.MetricsWindow(one_gpu_rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))
+    stops = preemption.StopPoll(run.stop)
     window.add(run.optimizer_step(stream))  # the first step (optimizer state, cuBLAS handles)
     torch.cuda.synchronize()
     batches = iter([next(stream) for _ in range(10)])  # 5 steps of 2 micro-batches
@@ -160,7 +160,7 @@ def test_peak_memory_is_per_window_on_the_gpu(tmp_path: Path) -> None:
     from orchestrator.telemetry.files import record_rank_peak
 
     device = torch.device("cuda", 0)
-    peaks = trainer.WindowPeaks(device)
+    peaks = metrics.WindowPeaks(device)
     peaks.close_window()
     big = torch.empty(2**30, dtype=torch.uint8, device=device)
     del big

@@ -10,10 +10,14 @@ padding entries (``is_pad``) count nowhere.
 The built-ins (``task=classify``, ``causal_lm``, ``regress``) go through the same door as a
 user's ``task._target_=my_pkg.MyTask``: a subclass of ``Task`` constructed as
 ``MyTask(data=DataConfig, **its config keys)``. docs/tasks.md, "Your own task", has a worked example.
+``Task`` is an abstract base class: a task without ``forward`` or ``loss_sums`` is refused when it
+is built (before submission, naming what is missing), not at its first step on the ranks.
 """
 
 from __future__ import annotations
 
+import abc
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,9 +30,10 @@ from sharding import ShardedDataset
 Batch = dict[str, Tensor]
 
 
-class Task:
-    """The base of every task. Subclasses override the methods below; the defaults fit tasks
-    that read samples (not windows) through the padded batch loader."""
+class Task(abc.ABC):
+    """The base of every task. Subclasses define ``forward`` and ``loss_sums`` and override the
+    other methods where their defaults do not fit: those fit tasks that read samples (not
+    windows) through the padded batch loader."""
 
     unit = "samples"  # what ``loss_sums``' count counts: the summary reports it per rank
 
@@ -37,11 +42,11 @@ class Task:
 
     # -- the data ---------------------------------------------------------------------------
 
-    def setup(self, ds: ShardedDataset) -> None:
+    def setup(self, ds: ShardedDataset) -> None:  # noqa: B027  (a hook: nothing by default)
         """Called once with the training dataset, before anything else reads it (the submitting
         side and every rank): a task may note what the data is (an input's shape)."""
 
-    def check_dataset(self, key: str, ds: ShardedDataset) -> None:
+    def check_dataset(self, key: str, ds: ShardedDataset) -> None:  # noqa: B027  (a hook)
         """Refuse, before submission, a dataset this task cannot train on: a ConfigError naming
         ``key`` (``data.path`` or ``data.eval_path``), the field, its dtype and shape, and a fix."""
 
@@ -61,14 +66,14 @@ class Task:
 
     # -- the step: everything on the device, nothing read on the host -----------------------
 
+    @abc.abstractmethod
     def forward(self, model: nn.Module, batch: Batch) -> Tensor:
         """The model's output for one batch (called under autocast where amp is on)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def loss_sums(self, output: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
         """(sum of the per-unit losses, number of units) of one batch; padding entries excluded.
         Both on the device: reading them on the host would stall the GPU."""
-        raise NotImplementedError
 
     def denominator(self, batch_size: int) -> float:
         """The most units one micro-batch of ``batch_size`` entries can hold: the loss of a
@@ -108,6 +113,11 @@ def import_task(target: Any) -> type:
     found = import_target("task", target, "task=classify, task=causal_lm, task=regress")
     if not isinstance(found, type):
         raise ConfigError(f"task._target_={target!r} is a {type(found).__name__}, not a Task class")
+    if inspect.isabstract(found):  # the constructor would raise a TypeError that reads like a bad key
+        missing = ", ".join(sorted(getattr(found, "__abstractmethods__", ())))
+        raise ConfigError(f"task._target_={target!r} does not define {missing} (a Task subclass "
+                          f"defines forward(model, batch) and loss_sums(output, batch); the built-ins "
+                          f"in orchestrator/training/tasks/ are examples)")
     return found
 
 

@@ -31,7 +31,7 @@ dist.Backend.register_backend("devonly", device_only, devices=["cuda"])
 
 from orchestrator.launch import dist_env, rendezvous
 from orchestrator.config import LoggerConfig
-from orchestrator.training import preemption, runtime, trainer
+from orchestrator.training import metrics, preemption, runtime
 from orchestrator.training.run_log import RunLog
 
 run_dir = Path(sys.argv[1])
@@ -41,11 +41,11 @@ rt = runtime.Runtime(env=env, device=torch.device("cpu"), backend=backend)
 flag = preemption.StopFlag()
 if env.rank == 1:
     flag.request(preemption.StopReason.PREEMPTED)
-stops = trainer.StopPoll(flag)
+stops = preemption.StopPoll(flag)
 decided = [stops.poll() for _ in range(3)]
 stops.drain()
 log = RunLog(LoggerConfig(tensorboard=False), run_dir, 0, {}) if env.rank == 0 else None
-window = trainer.MetricsWindow(rt, log)  # its peak memory is a host value reduced beside the device
+window = metrics.MetricsWindow(rt, log)  # its peak memory is a host value reduced beside the device
 window.add(torch.tensor([3.0 * (env.rank + 1), 3.0, 3.0], dtype=torch.float64))
 loss, _ = window.close(step=1, lr=0.1, grad_norm=None)
 totals = runtime.global_sums(rt, torch.tensor([1.0, float(env.rank)], dtype=torch.float64))

@@ -17,7 +17,7 @@ import torch
 from orchestrator.config import ClusterConfig, ConfigError, MlpConfig, ParallelismConfig, TrainConfig
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
-from orchestrator.training import runtime, trainer
+from orchestrator.training import rank_process, runtime, train_state
 from orchestrator.training.trainer import DataPaths
 
 
@@ -96,7 +96,7 @@ def test_deterministic_sets_the_cublas_workspace_before_the_rank_touches_cuda(
     cfg = TrainConfig(model=MlpConfig(), deterministic=True, parallelism=ParallelismConfig(gpus_per_node=1))
     try:
         with pytest.raises(ReachedCuda):
-            trainer._train_rank(cfg, cast(DataPaths, None), tmp_path, single_env("det"))
+            rank_process._train_rank(cfg, cast(DataPaths, None), tmp_path, single_env("det"))
     finally:
         torch.use_deterministic_algorithms(False)
     assert seen == {"at_first_cuda_call": ":4096:8", "deterministic": "True"}
@@ -136,15 +136,15 @@ def test_each_rank_seeds_its_own_cuda_stream(monkeypatch: pytest.MonkeyPatch) ->
 def test_checkpointed_rng_holds_the_cuda_stream_on_a_gpu_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dropout on a GPU draws from the CUDA generator: a resume without it is not bit-identical."""
     cuda_state = {"now": torch.tensor([1, 2, 3], dtype=torch.uint8)}
-    assert "cuda" not in trainer.rng_state()  # a CPU rank never starts CUDA to checkpoint it
+    assert "cuda" not in train_state.rng_state()  # a CPU rank never starts CUDA to checkpoint it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: cuda_state["now"].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: cuda_state.update(now=s.clone()))
-    saved = trainer.rng_state()
+    saved = train_state.rng_state()
     assert torch.equal(saved["cuda"], torch.tensor([1, 2, 3], dtype=torch.uint8))
     cuda_state["now"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # the run drew on
-    trainer.set_rng_state(saved)
+    train_state.set_rng_state(saved)
     assert torch.equal(cuda_state["now"], torch.tensor([1, 2, 3], dtype=torch.uint8))
 
 

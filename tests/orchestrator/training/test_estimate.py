@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from jobs.demo_data import ensure_demo_dataset
 from orchestrator.config import ConfigError, TrainConfig, register_configs
-from orchestrator.training import checks, estimate, trainer
+from orchestrator.training import checks, estimate, step
 from orchestrator.training.estimate import GIB, Capacity, Estimate, MemoryReport
 from orchestrator.training.tasks import Batch, Task, build_task
 from sharding import ShardedDataset, open_dataset
@@ -84,11 +84,11 @@ def measured_peak(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Bat
     fsdp = cfg.parallelism.strategy == "fsdp"
     with real_world(cfg) as wrap, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         batch = estimate.largest_batch(example, ds, cfg.data.batch_size)
-        model = wrap(trainer.build_model(cfg.model, kwargs, cfg.memory))
-        optimizer = trainer.build_optimizer(model.parameters(), cfg.optim)
+        model = wrap(step.build_model(cfg.model, kwargs, cfg.memory))
+        optimizer = step.build_optimizer(model.parameters(), cfg.optim)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         for _ in range(2):
-            trainer.backward_micro_batches(
+            step.backward_micro_batches(
                 model, [batch] * cfg.optim.grad_accum_steps, task, cfg.data.batch_size,
                 "none" if fsdp else cfg.memory.amp, scaler,
                 (lambda sync: contextlib.nullcontext()) if fsdp else None)

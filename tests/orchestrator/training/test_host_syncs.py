@@ -34,7 +34,7 @@ from orchestrator.config import (
     TrainConfig,
     TransformerConfig,
 )
-from orchestrator.training import runtime, trainer
+from orchestrator.training import metrics, runtime, trainer
 from orchestrator.training.run_log import RunLog
 
 HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy", "cpu"}
@@ -100,9 +100,9 @@ def test_a_step_that_does_not_log_reads_nothing_on_the_host(rank: runtime.Runtim
                       optim=OptimConfig(name="sgd", grad_accum_steps=2, clip_grad_norm=1.0, max_steps=10),
                       memory=MemoryConfig(amp=amp), telemetry=TelemetryConfig(enabled=False))
     run = trainer.Trainer(cfg, trainer.DataPaths(train=path, eval=None), tmp_path, rank)
-    stream = run.batches()
+    stream = run.data.batches()
     batches = iter([next(stream) for _ in range(6)])  # the loader's own work is not the step's
-    window = trainer.MetricsWindow(rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))
+    window = metrics.MetricsWindow(rank, RunLog(LoggerConfig(tensorboard=False), tmp_path, 0, {}))
     with HostReads() as counted:
         for step in range(3):  # the last is a log step: its gradient norm stays on the device too
             window.add(run.optimizer_step(batches, want_norm=step == 2))
@@ -110,4 +110,4 @@ def test_a_step_that_does_not_log_reads_nothing_on_the_host(rank: runtime.Runtim
     with HostReads() as counted:
         loss, _ = window.close(run.step, 0.1, run.grad_norm)  # a log step: the window's one read
     assert counted.reads and loss > 0
-    assert run.samples_seen == 48  # 3 steps x 2 micro-batches x 8, read once, outside the steps
+    assert run.counters.samples == 48  # 3 steps x 2 micro-batches x 8, read once, outside the steps

@@ -29,7 +29,7 @@ from orchestrator.config import (
 from orchestrator.launch import run_lock
 from orchestrator.registry.db import Job, Registry
 from orchestrator.sweeps.status import cmd_show
-from orchestrator.training import checks, resume, runtime, trainer
+from orchestrator.training import checks, rank_process, resume, runtime, trainer
 from orchestrator.training.checkpoint import CheckpointError
 
 
@@ -183,7 +183,7 @@ def test_a_checkpoint_dir_in_use_is_refused_at_submission_and_on_the_ranks(
         with pytest.raises(run_lock.RunDirInUseError, match=in_use):
             train_job.run(cfg, tmp_path / "b")
         with pytest.raises(run_lock.RunDirInUseError, match=in_use):
-            trainer.train_rank(cfg, data, str(tmp_path / "c"))
+            rank_process.train_rank(cfg, data, str(tmp_path / "c"))
 
 
 def test_counts_since_step_0_on_the_same_world_size_and_on_another() -> None:

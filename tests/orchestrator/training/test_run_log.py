@@ -46,7 +46,7 @@ def test_peak_memory_is_per_window_and_the_runs_peak_survives_the_resets(tmp_pat
     import torch
 
     from orchestrator.telemetry.files import record_rank_peak
-    from orchestrator.training.trainer import WindowPeaks
+    from orchestrator.training.metrics import WindowPeaks
 
     peaks = WindowPeaks(torch.device("cpu"))
     peaks.close_window()

@@ -14,7 +14,7 @@ from torch import nn
 
 from jobs.models import GPT, RowPoolingMLP
 from orchestrator.config import DataConfig
-from orchestrator.training import runtime, trainer
+from orchestrator.training import runtime, step
 from orchestrator.training.tasks import Task
 from orchestrator.training.tasks.causal_lm import CausalLm
 from orchestrator.training.tasks.regress import Regress
@@ -71,8 +71,8 @@ def test_accumulating_k_micro_batches_equals_one_k_times_larger_batch(
     big = runtime.wrap(copy.deepcopy(base), single_rank)
     micro = [make_batch(1, 4), make_batch(2, 4, pad_last=True), make_batch(3, 4)]
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    small_sums = trainer.backward_micro_batches(accumulated, micro, task, 4, "none", scaler)
-    big_sums = trainer.backward_micro_batches(big, [concat(micro)], task, 12, "none", scaler)
+    small_sums = step.backward_micro_batches(accumulated, micro, task, 4, "none", scaler)
+    big_sums = step.backward_micro_batches(big, [concat(micro)], task, 12, "none", scaler)
     for g_acc, g_big in zip(grads(accumulated), grads(big), strict=True):
         torch.testing.assert_close(g_acc, g_big, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(small_sums, big_sums)

@@ -14,7 +14,7 @@ from torch import nn
 
 from jobs.models import RowPoolingMLP, RowTransformer
 from orchestrator.config import DataConfig, MemoryConfig, OptimConfig, TrainConfig
-from orchestrator.training import runtime, trainer
+from orchestrator.training import runtime, step
 from orchestrator.training.tasks.classify import Classify
 from sharding import collate_padded
 
@@ -59,7 +59,7 @@ CLASSIFY = Classify(DataConfig())
 
 def backward(model: nn.Module, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig,
              scaler: torch.amp.GradScaler) -> torch.Tensor:
-    return trainer.backward_micro_batches(model, batches, CLASSIFY, cfg.data.batch_size, cfg.memory.amp,
+    return step.backward_micro_batches(model, batches, CLASSIFY, cfg.data.batch_size, cfg.memory.amp,
                                           scaler)
 
 
@@ -86,10 +86,10 @@ def test_padding_entries_contribute_nothing(single_rank: runtime.Runtime) -> Non
     torch.manual_seed(0)
     model = runtime.wrap(RowPoolingMLP(in_features=5, num_classes=3), single_rank)
     batch = make_batch(4, 4, pad_last=True)
-    _, total, count = trainer.batch_loss(model, batch, CLASSIFY, "none", 1.0)
+    _, total, count = step.batch_loss(model, batch, CLASSIFY, "none", 1.0)
     changed = dict(batch, y=batch["y"].clone())
     changed["y"][-1] = (changed["y"][-1] + 1) % 3  # a different label on the padding entry only
-    _, total_changed, _ = trainer.batch_loss(model, changed, CLASSIFY, "none", 1.0)
+    _, total_changed, _ = step.batch_loss(model, changed, CLASSIFY, "none", 1.0)
     assert int(count) == 3 and float(total) == pytest.approx(float(total_changed))
 
 
@@ -147,7 +147,7 @@ def test_unknown_model_target_is_a_clear_error() -> None:
     from orchestrator.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"model._target_='nope.Net' cannot be imported"):
-        trainer.build_model({"_target_": "nope.Net"}, {"in_features": 5, "num_classes": 3}, MemoryConfig())
+        step.build_model({"_target_": "nope.Net"}, {"in_features": 5, "num_classes": 3}, MemoryConfig())
 
 
 def test_config_dataclass_roundtrip_is_picklable(tmp_path: Path) -> None:

@@ -1,0 +1,150 @@
+"""One training step's maths, shared by the trainer and the memory estimate (``estimate``): the
+builders (model, optimizer, schedule), autocast, one batch's loss, micro-batches with gradient
+accumulation, and evaluation's forward passes.
+
+Loss and metrics treat padding entries (``is_pad``, from the sampler's ``pad`` policy) as absent:
+they keep every rank's batch count equal without counting any sample twice. Loss sums and sample
+counts stay on the batch's device: reading them on the host would stall the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, group_dict, import_target
+from orchestrator.training import runtime
+from orchestrator.training.device_batches import to_device
+from orchestrator.training.runtime import Runtime
+from orchestrator.training.tasks import Batch, Task
+
+GradSync = Callable[[bool], contextlib.AbstractContextManager[Any]]
+
+
+def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig) -> nn.Module:
+    """Instantiate ``spec._target_`` with what the task takes from the dataset (``in_features``
+    and ``num_classes``, ``vocab_size``, ...) and the rest of spec as keyword arguments."""
+    kwargs = group_dict(spec)
+    target = kwargs.pop("_target_", None)
+    model_cls = import_target("model", target, "model=mlp, model=transformer, model=gpt")
+    try:
+        model = model_cls(**dataset_kwargs, **kwargs)
+    except TypeError as e:  # an unknown or missing keyword: the user's config, not a bug
+        raise ConfigError(f"model._target_={target!r} rejects its arguments: {e} (from the dataset: "
+                          f"{sorted(dataset_kwargs)}; from the config: {sorted(kwargs) or 'none'}; "
+                          f"fix or remove the model.* key)") from e
+    if memory.activation_checkpointing:
+        if not hasattr(model, "enable_activation_checkpointing"):
+            raise ConfigError(f"memory.activation_checkpointing=true but model {target} has no "
+                              f"enable_activation_checkpointing() "
+                              f"(try memory.activation_checkpointing=false)")
+        model.enable_activation_checkpointing()
+    return model
+
+
+def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+        if cfg.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if cfg.schedule == "linear":
+            return max(1.0 - progress, 0.0)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager[Any]:
+    """``amp``: what autocast runs, as the strategy says (``Strategy.autocast_amp``)."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def batch_loss(model: nn.Module, batch: Batch, task: Task, amp: str, denominator: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss for backward, loss sum, unit count) of one batch, all on the batch's device: reading
+    them on the host would stall the GPU.
+
+    The loss divides by a fixed denominator (the task's units per micro-batch x accumulation
+    steps) rather than by this batch's real count, so k accumulated micro-batches give exactly the
+    gradient of one batch k times larger, and padding entries contribute nothing.
+    """
+    device = batch["is_pad"].device
+    with autocast(device, amp):
+        output = task.forward(model, batch)
+    total, count = task.loss_sums(output, batch)
+    return total / denominator, total.detach(), count
+
+
+def new_sums(device: torch.device) -> torch.Tensor:
+    """[loss sum, unit count, real-sample count], accumulated on the device (float64: exact
+    counts past 2**24). Units are samples, or tokens for a language model."""
+    return torch.zeros(3, dtype=torch.float64, device=device)
+
+
+def add_to_sums(sums: torch.Tensor, total: torch.Tensor, count: torch.Tensor, samples: torch.Tensor
+                ) -> None:
+    sums[0] += total  # in place, promoted to float64: small kernels, no allocation
+    sums[1] += count
+    sums[2] += samples
+
+
+def backward_micro_batches(model: nn.Module, batches: list[Batch], task: Task, batch_size: int,
+                           amp: str, scaler: torch.amp.GradScaler,
+                           grad_sync: GradSync | None = None, denominator: float | None = None
+                           ) -> torch.Tensor:
+    """Accumulate gradients over micro-batches, reducing them only on the last: ``grad_sync(False)``
+    around the others (the strategy's; DDP's ``no_sync`` by default). ``amp``: what autocast runs
+    (fsdp's own policy casts, so it passes "none"). ``denominator``: the fixed one, when
+    ``batches`` are pieces of the loaded batches (``memory.auto_microbatch``).
+
+    Returns [loss sum, unit count, real-sample count] on the batches' device.
+    """
+    denominator = denominator or task.denominator(batch_size) * len(batches)
+    sums = new_sums(batches[0]["is_pad"].device)
+    for i, batch in enumerate(batches):
+        sync = i == len(batches) - 1
+        context = grad_sync(sync) if grad_sync is not None else \
+            contextlib.nullcontext() if sync else cast(DistributedDataParallel, model).no_sync()
+        with context:
+            loss, batch_total, batch_count = batch_loss(model, batch, task, amp, denominator)
+            scaler.scale(loss).backward()
+        add_to_sums(sums, batch_total, batch_count, (~batch["is_pad"]).sum())
+    return sums
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, task: Task, amp: str, rt: Runtime
+             ) -> tuple[dict[str, float], int]:
+    """(the task's global eval metrics, number of units counted): every eval sample (or window)
+    exactly once, padding entries counted in nothing."""
+    model.eval()
+    sums: torch.Tensor | None = None  # float64 [K] on the device, the task's sums
+    for batch in to_device(loader, rt.device, task.fields()):
+        with autocast(rt.device, amp):
+            output = task.forward(model, batch)
+        part = task.eval_sums(output, batch)
+        sums = part if sums is None else sums + part
+    model.train()
+    if sums is None:  # no eval batch on any rank (every rank has the same count)
+        return {}, 0
+    reduced = runtime.global_sums(rt, sums)  # the one host read of the evaluation
+    if not reduced[1]:
+        return {}, 0
+    return task.eval_metrics(reduced), int(reduced[1])
