@@ -94,7 +94,7 @@ def test_the_changes_applied_at_a_resume_are_told_where_the_user_looks(
             "changed at resume, now applied: optim.lr 0.1 -> 0.01, optim.max_steps 4 -> 6"]
     train_job.report(summary, run)  # the submitting side of a blocking python -m jobs.train
     assert capsys.readouterr().out.splitlines()[:2] == told
-    trainer.write_summary(run, summary)  # as train_rank's rank 0 does
+    rank_process.write_summary(run, summary)  # as train_rank's rank 0 does
     registry = Registry(tmp_path / "r.db")
     sweep = registry.create_sweep("train", "optim.lr=0.01", str(tmp_path), "slurm", "entry")
     registry.add_jobs([Job(sweep, 0, ["optim.lr=0.01"], str(run), {}, 6)])
