@@ -65,10 +65,14 @@ def isolated_hydra_version_base() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The SLURM tests first, all in one pytest-xdist group: under ``--dist loadgroup`` one worker
+    runs them one after another (the two nodes hold one test's jobs at a time, as without xdist)
+    from the start, while the other workers take the rest a module at a time, so a module-scoped
+    fixture runs once."""
     for item in items:
-        if item.get_closest_marker("slurm") is not None:
+        on_slurm = item.get_closest_marker("slurm") is not None
+        if on_slurm:
             item.fixturenames.insert(0, "slurm_cluster")  # type: ignore[attr-defined]
-            # Under pytest-xdist's --dist loadgroup, one worker runs them all, one after another:
-            # the two nodes hold one test's jobs at a time, as without xdist.
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm else item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: in order otherwise
 
