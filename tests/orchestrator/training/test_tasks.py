@@ -15,8 +15,8 @@ from torch import nn
 from jobs.models import GPT, RowPoolingMLP
 from orchestrator.config import DataConfig
 from orchestrator.training import runtime, step
-from orchestrator.training.tasks import Task
 from orchestrator.training.tasks.causal_lm import CausalLm
+from orchestrator.training.tasks.classify import Classify
 from orchestrator.training.tasks.regress import Regress
 from orchestrator.training.throughput import peak_tflops, throughput_for
 
@@ -101,7 +101,7 @@ def test_the_fixed_denominator_is_the_tasks_unit() -> None:
     token, never divided by the batch size."""
     assert CausalLm(DataConfig(seq_len=128)).denominator(32) == 32 * 128
     assert Regress(DataConfig()).denominator(32) == 32
-    assert Task(DataConfig()).denominator(32) == 32
+    assert Classify(DataConfig()).denominator(32) == 32  # Task's default: the batch's samples
 
 
 def test_tf32_is_set_on_gpu_ranks_only() -> None:

@@ -37,20 +37,20 @@ def config(dataset: str, run_dir: Path) -> TrainConfig:
                        logger=LoggerConfig(tensorboard=False), telemetry=TelemetryConfig(enabled=False))
 
 
-def stopped_at_step_5(rank: runtime.Runtime, cfg: TrainConfig, paths: trainer.DataPaths, run: Path,
+def preempted_during_step_5(rank: runtime.Runtime, cfg: TrainConfig, paths: trainer.DataPaths, run: Path,
                       monkeypatch: pytest.MonkeyPatch) -> Path:
     first = trainer.Trainer(cfg, paths, run, rank)
     step = first.optimizer_step
 
-    def signalled_at_step_5(*args: Any, **kwargs: Any) -> Any:
+    def signalled_in_step_5(*args: Any, **kwargs: Any) -> Any:
         if first.step == 4:
             first.stop.request(preemption.StopReason.PREEMPTED)  # SIGTERM's handler does this
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(first, "optimizer_step", signalled_at_step_5)
+    monkeypatch.setattr(first, "optimizer_step", signalled_in_step_5)
     with pytest.raises(preemption.JobStopped):
         first.run()
-    return checkpoint.path_for(run / "checkpoints", 6)  # the flag is read one step later
+    return checkpoint.path_for(run / "checkpoints", 6)  # the ranks read the flag a step later
 
 
 def written_by_hand(state: dict[str, Any], older: bool) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def test_a_checkpoint_in_the_old_layout_resumes(rank: runtime.Runtime, tmp_path:
     stopped.mkdir()  # Hydra makes a run's directory before it starts
     whole = trainer.Trainer(config(dataset, straight), paths, straight, rank).run()
 
-    saved = stopped_at_step_5(rank, config(dataset, stopped), paths, stopped, monkeypatch)
+    saved = preempted_during_step_5(rank, config(dataset, stopped), paths, stopped, monkeypatch)
     state = torch.load(saved, map_location="cpu", weights_only=False)
     assert set(state) == LAYOUT and {frozenset(r) for r in state["per_rank"]} == {frozenset(RANK_LAYOUT)}
     checkpoint.save(saved.parent, 6, written_by_hand(state, older), keep_last=2)  # replaces it
