@@ -671,7 +671,11 @@ class DataConfig:
             raise invalid("data.num_classes", self.num_classes, "must be >= 2", "data.num_classes=2")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
-            if value is not None and not (Path(value).expanduser() / "manifest.json").is_file():
+            try:
+                found = value is None or (Path(value).expanduser() / "manifest.json").is_file()
+            except OSError:  # a name too long for the file system (is_file raises, not False)
+                found = False
+            if not found:
                 raise invalid(f"data.{key}", value, "no dataset there (no manifest.json)",
                               f"data.{key}=<a directory made by python -m jobs.prepare> or "
                               f"data.{key}=null for the demo dataset")

@@ -29,6 +29,7 @@ from orchestrator.terminal import one_line, refuse_control
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _owned: list[bool] = [False]  # hydra_app set HYDRA_FULL_ERROR, and task_started has not unset it
+KEY_MAX = 255  # longer than any file name: no config key or group is named so
 _Task = TypeVar("_Task", bound=Callable[..., Any])
 
 
@@ -50,6 +51,10 @@ def refuse_argv(argv: Sequence[str]) -> str | None:
 
     parser = OverridesParser.create()
     for override in _overrides(argv):
+        key = override.partition("=")[0]
+        if len(key) > KEY_MAX:  # Hydra would look it up as a file name: ENAMETOOLONG, a traceback
+            return (f"the override {shown(override)} has a key of {len(key)} characters: no config "
+                    f"has one that long (check the override)")
         try:
             parser.parse_override(override)
         except HydraException as e:
