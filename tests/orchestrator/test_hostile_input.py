@@ -24,7 +24,7 @@ from hydra.errors import HydraException
 from orchestrator import cli, entry
 from orchestrator.config import ConfigError
 from orchestrator.sweeps.prune import cmd_prune
-from orchestrator.sweeps.registry import Job, Registry, Submitted
+from orchestrator.registry.db import Job, Registry, Submitted
 from orchestrator.sweeps.status import cmd_status
 from orchestrator.terminal import one_line
 from sharding.format import DatasetError
