@@ -23,8 +23,8 @@ from hydra.errors import HydraException
 
 from orchestrator import cli, entry
 from orchestrator.config import ConfigError
-from orchestrator.sweeps.prune import cmd_prune
 from orchestrator.registry.db import Job, Registry, Submitted
+from orchestrator.sweeps.prune import cmd_prune
 from orchestrator.sweeps.status import cmd_status
 from orchestrator.terminal import one_line
 from sharding.format import DatasetError
@@ -220,6 +220,12 @@ TRAIN_OVERRIDES = {
     "path-under-file": "data.path={under_file}", "fifo-path": "data.path={fifo}",
     "checkpoint.dir-under-file": "checkpoint.dir={under_file}",
     "resume_from-missing": "checkpoint.resume_from={missing}",
+    "model.hidden_dim=-1": "model.hidden_dim=-1", "model.hidden_dim=1e11": "model.hidden_dim=100000000000",
+    **{f"data.{key}=1e11": f"data.{key}=100000000000"
+       for key in ("demo_num_samples", "demo_features", "demo_classes", "demo_max_rows")},
+    "data.batch_size=1e11": pytest.param("data.batch_size=100000000000", marks=pytest.mark.xfail(
+        strict=True, reason="the memory estimate builds its largest batch as a real tensor on this "
+                            "host (estimate.largest_batch: expand().contiguous()): a MemoryError traceback")),
 }
 
 
@@ -228,6 +234,12 @@ def test_a_wrong_override_of_jobs_train_is_one_error_line(where: dict[str, str],
                                                           override: str) -> None:
     line = train_error(tmp_path, fill(override, where))
     assert len(line.splitlines()) == 1 and "\x1b" not in line and "Traceback" not in line, line
+
+
+def test_the_same_checks_pass_a_valid_override(tmp_path: Path) -> None:
+    """The sweep above cannot pass by refusing everything: the defaults and a sane override go through."""
+    with pytest.raises(pytest.fail.Exception, match="was accepted"):
+        train_error(tmp_path, "seed=7")
 
 
 def test_jobs_train_itself_exits_2_with_one_line(where: dict[str, str], tmp_path: Path) -> None:
@@ -298,6 +310,12 @@ def test_a_wrong_override_of_jobs_prepare_is_one_error_line(where: dict[str, str
     line = prepare_error(tmp_path, *[fill(o, {**where, 'npy': str(npy_dir)}) for o in overrides])
     assert len(line.splitlines()) == 1 and "\x1b" not in line and "Traceback" not in line, line
     assert not (Path(where["root"]) / "out").exists(), "nothing is published"
+
+
+def test_prepare_accepts_a_valid_input(npy_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(pytest.fail.Exception, match="was accepted"):
+        prepare_error(tmp_path, f"input={npy_dir}", f"output={tmp_path / 'out'}")
+    assert (tmp_path / "out" / "manifest.json").is_file()
 
 
 def test_jobs_prepare_itself_exits_2_with_one_line(tmp_path: Path) -> None:
