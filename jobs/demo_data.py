@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.config import DataConfig
+from orchestrator.config import ConfigError, DataConfig
 from sharding import DatasetWriter
 
 DEMO_VERSION = 1
@@ -26,8 +26,27 @@ def demo_paths(cfg: DataConfig) -> tuple[Path, Path]:
     return root / "train", root / "eval"
 
 
+DEMO_MAX_BYTES = 2**30  # a demo to try things on; a larger dataset is prepared (jobs.prepare)
+
+
+def check_demo_size(cfg: DataConfig) -> None:
+    """The demo's size, refused before anything is generated: ``data.demo_features=10**11`` was a
+    MemoryError traceback, ``data.demo_num_samples=10**11`` filled the disk for an hour."""
+    # train + eval samples, rows max_rows / 2 on average, float32 features; the class prototypes
+    num_bytes = 4 * cfg.demo_features * (cfg.demo_num_samples * 5 // 4 * (cfg.demo_max_rows + 1) // 2
+                                         + cfg.demo_classes)
+    if num_bytes > DEMO_MAX_BYTES:
+        raise ConfigError(f"the demo dataset (data.path=null) would be about {num_bytes / 2**30:.3g} GiB "
+                          f"(data.demo_num_samples={cfg.demo_num_samples}, data.demo_features="
+                          f"{cfg.demo_features}, data.demo_classes={cfg.demo_classes}, data.demo_max_rows="
+                          f"{cfg.demo_max_rows}); it is generated here, at most "
+                          f"{DEMO_MAX_BYTES // 2**30} GiB (try smaller demo_* values, or "
+                          f"data.path=<a dataset made by python -m jobs.prepare>)")
+
+
 def ensure_demo_dataset(cfg: DataConfig) -> tuple[Path, Path]:
     """Return (train, eval) dataset paths, generating them on first use."""
+    check_demo_size(cfg)
     train, evaluation = demo_paths(cfg)
     train.parent.mkdir(parents=True, exist_ok=True)
     with open(train.parent / ".lock", "w") as lock:

@@ -37,7 +37,7 @@ from typing import Any
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm import tqdm
 
 from jobs.image_folder import (
@@ -59,8 +59,9 @@ from jobs.text_corpus import (
     token_samples,
     train_bpe,
 )
-from orchestrator.config import ConfigError, PrepareConfig, invalid, register_configs
-from orchestrator.terminal import printable, refuse_control
+from orchestrator.config import ConfigError, PrepareConfig, invalid, omegaconf_error, register_configs
+from orchestrator.entry import hydra_app, hydra_task
+from orchestrator.terminal import printable
 from sharding.format import DatasetError, WriteError, describe_array, fingerprint
 from sharding.writer import DatasetWriter, check_output, existing_ancestor, human_bytes
 
@@ -614,6 +615,9 @@ def to_config(cfg: DictConfig) -> PrepareConfig:
     except MissingMandatoryValue as e:
         raise ConfigError(f"{e.full_key} is required: python -m jobs.prepare input=PATH "
                           f"output=PATH") from e
+    except OmegaConfBaseException as e:  # an interpolation to no key, a string for a number
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        raise cause or omegaconf_error(e) from e
     if not isinstance(config, PrepareConfig):  # a wrong `defaults:` list in conf/prepare.yaml
         raise ConfigError(f"conf/prepare.yaml built a {type(config).__name__}, not a "
                           f"PrepareConfig: its defaults must start with prepare_schema")
@@ -625,6 +629,7 @@ def _message(error: BaseException) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="prepare")
+@hydra_task
 def main(cfg: DictConfig) -> None:
     try:
         result = prepare(to_config(cfg))
@@ -637,6 +642,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if refused := refuse_control(sys.argv):
-        sys.exit(f"jobs.prepare: error: {refused}")
-    main()
+    hydra_app(main, sys.argv, prefix="jobs.prepare: ")

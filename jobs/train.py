@@ -34,10 +34,12 @@ from orchestrator.config import (
     ConfigError,
     ParallelismConfig,
     TrainConfig,
+    omegaconf_error,
     register_app_check,
     register_configs,
     unknown_keys,
 )
+from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
     attach,
     dist_env,
@@ -50,7 +52,7 @@ from orchestrator.launch import (
     submit,
 )
 from orchestrator.quick_exit import exit_now
-from orchestrator.terminal import printable, refuse_control
+from orchestrator.terminal import one_line, printable
 from orchestrator.training import checks, estimate, rank_process, resume, trainer
 from orchestrator.training.checkpoint import CheckpointError
 
@@ -69,10 +71,10 @@ OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=
 
 def load_config(cfg: DictConfig) -> TrainConfig:
     """DictConfig stops here: build the typed dataclasses, running every group's checks."""
-    stray = unknown_keys(cfg)
-    if stray:
-        raise ConfigError("; ".join(stray))
     try:
+        stray = unknown_keys(cfg)  # reads every value: an interpolation that fails, fails here
+        if stray:
+            raise ConfigError("; ".join(stray))
         return cast(TrainConfig, OmegaConf.to_object(cfg))
     except MissingMandatoryValue as e:
         key = e.full_key or "a value"
@@ -82,7 +84,7 @@ def load_config(cfg: DictConfig) -> TrainConfig:
     except OmegaConfBaseException as e:
         # OmegaConf wraps errors raised in __post_init__; surface ours without its noise.
         cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
-        raise cause or ConfigError(str(e)) from e
+        raise cause or omegaconf_error(e) from e
 
 
 def data_paths(cfg: TrainConfig, generate: bool = False) -> trainer.DataPaths:
@@ -228,6 +230,7 @@ def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[s
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
+@hydra_task
 def main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
@@ -235,13 +238,14 @@ def main(cfg: DictConfig) -> None:
     except submit.JobStoppedError as e:  # a cancel (or preemption) is not a failure: say where it stopped
         print(f"stopped: {printable(e)}", file=sys.stderr)
         sys.exit(submit.STOPPED_EXIT_CODE)
-    except (ConfigError, submit.JobFailedError) as e:
+    except ConfigError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except submit.JobFailedError as e:  # the failing rank's log tail: several lines
         print(f"error: {printable(e)}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    if refused := refuse_control(sys.argv):
-        sys.exit(f"error: {refused}")
-    main()
+    hydra_app(main, sys.argv)
     exit_now()  # done and printed: skip torch's second of interpreter finalisation

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import NoReturn
 
+from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
-from orchestrator.terminal import printable
+from orchestrator.terminal import one_line, printable
+
+
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line, its values escaped: argparse printed the usage first, and echoed
+    an unrecognized argument raw (an escape sequence, a newline)."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (usage: {usage})\n")
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -34,7 +45,7 @@ def _verify(args: argparse.Namespace) -> int:
     from sharding.verify import run_verify_cli
 
     # the path and the problems come from the user and the files: shown, never obeyed
-    return run_verify_cli(args.path, escape=printable)
+    return run_verify_cli(str(args.path), escape=printable)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -42,9 +53,9 @@ def _plot(args: argparse.Namespace) -> int:
     from orchestrator.telemetry.plot import plot_run
 
     try:
-        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+        out = plot_run(args.run_dir, args.out)
     except TelemetryError as e:
-        print(f"switchyard plot: error: {printable(e)}", file=sys.stderr)
+        print(f"switchyard plot: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(out)
     return 0
@@ -109,12 +120,14 @@ def _sweeps(args: argparse.Namespace) -> int:
         return status.cmd_resubmit(reg, args.target, args.failed, args.json)
 
 
-def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--registry", default=None,
+def _add_sweep_commands(sub: argparse._SubParsersAction[Parser]) -> None:
+    common = Parser(add_help=False)
+    registry_file = functools.partial(existing_file, what="a sweep registry (without --registry: "
+                                                          "$SWITCHYARD_REGISTRY or the default one)")
+    common.add_argument("--registry", default=None, type=checked(registry_file),
                         help="the sweep registry (default $SWITCHYARD_REGISTRY or "
                              "~/.local/share/switchyard/registry.db)")
-    scripted = argparse.ArgumentParser(add_help=False)
+    scripted = Parser(add_help=False)
     scripted.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("status", parents=[common, scripted],
@@ -145,7 +158,8 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--older-than-days", type=float, default=30.0, metavar="DAYS",
                    help="keep the snapshots of sweeps from the last DAYS days, and any taken or reused "
                         "since; jobs not yet ended keep theirs however old (default %(default)g)")
-    p.add_argument("--store", default=None,
+    store_dir = functools.partial(existing_dir, what="a snapshot store")
+    p.add_argument("--store", default=None, type=checked(store_dir),
                    help="the store (default: cluster.snapshot.dir's, ~/.cache/switchyard/snapshots)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     for name in ("status", "logs", "show", "cancel", "resubmit", "snapshots"):
@@ -153,7 +167,7 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
+    parser = Parser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("cluster", help="a real SLURM cluster on this machine (2 nodes, accounting)")
@@ -171,12 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cluster)
 
     p = sub.add_parser("verify", help="check a sharded dataset: structure and every file's checksum")
-    p.add_argument("path", help="the dataset directory (the one holding manifest.json)")
+    p.add_argument("path", type=checked(functools.partial(existing_dir, what="a dataset directory")),
+                   help="the dataset directory (the one holding manifest.json)")
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("plot", help="memory over time per GPU (or per rank on CPU) as a PNG")
-    p.add_argument("run_dir", help="the run directory (printed as run_dir: at start)")
-    p.add_argument("--out", default=None, help="PNG path (default RUN/telemetry/memory.png)")
+    p.add_argument("run_dir", type=checked(functools.partial(existing_dir, what="a run directory")),
+                   help="the run directory (printed as run_dir: at start)")
+    p.add_argument("--out", default=None, type=checked(new_file),
+                   help="PNG path (default RUN/telemetry/memory.png)")
     p.set_defaults(func=_plot)
 
     sub.add_parser("run", help="any command as every rank of a job: " + RUN_USAGE, add_help=False)
@@ -198,9 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         from orchestrator.sweeps import status
 
-        if not isinstance(e, status.ERRORS):
+        if not isinstance(e, (*status.ERRORS, PathError)):
             raise
-        print(f"switchyard {args.command}: error: {printable(e)}", file=sys.stderr)
+        print(f"switchyard {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

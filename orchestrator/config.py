@@ -68,6 +68,18 @@ def ranged(default: float | None, values: Range) -> Any:
     return field(default=default, metadata={"range": values})
 
 
+def omegaconf_error(error: Exception) -> ConfigError:
+    """OmegaConf's error about a value (an interpolation to no key, a string where a number goes),
+    as ``key=value is invalid: why``; its own text spreads the key over several lines."""
+    key, value = getattr(error, "full_key", None), getattr(error, "value", None)
+    why = getattr(error, "msg", None)
+    if not key or not why:
+        return ConfigError(str(error))
+    why = str(why).strip().splitlines()[0]
+    shown = "" if value is None else f"={value!r}"
+    return ConfigError(f"{key}{shown} is invalid: {why}")
+
+
 def check_floats(group: Any, prefix: str) -> None:
     """Every float field of the dataclass ``group`` is finite, within its ``Range`` (declared
     with ``ranged``; else >= 0), and a float32 that neither overflows nor rounds to 0, which is
@@ -95,6 +107,23 @@ def check_floats(group: Any, prefix: str) -> None:
 
 def _as_float32(value: float) -> float:
     return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+INT_MAX = 2**63 - 1  # the widest integer torch, NumPy and SQLite (the sweep registry) store
+
+
+def check_ints(config: Any, prefix: str = "") -> None:
+    """Every int of the dataclass ``config`` and of the groups inside it fits in 64 bits, checked
+    before any other check compares it: ``seed=10**30`` passed ``seed >= 0`` and failed on every
+    rank (torch cannot take it), ``data.batch_size=10**30`` was a traceback from torch."""
+    for f in dataclasses.fields(config):
+        value, key = getattr(config, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_ints(value, f"{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_MAX:
+            default = None if f.default is dataclasses.MISSING else f.default
+            raise invalid(key, value, f"must fit in 64 bits (at most {INT_MAX})",
+                          f"{key}={'null' if default is None else default}")
 
 
 def _is_float_field(hint: Any) -> bool:
@@ -502,6 +531,7 @@ class PrepareConfig:
     labels: str | None = None  # npy_dir: a .npy of one label per file (sorted order), stored as y
 
     def __post_init__(self) -> None:
+        check_ints(self)
         if self.format not in PREPARE_FORMATS:
             raise invalid("format", self.format, f"choose one of {PREPARE_FORMATS}", "format=auto")
         if self.shard_bytes < 8:
@@ -641,7 +671,11 @@ class DataConfig:
             raise invalid("data.num_classes", self.num_classes, "must be >= 2", "data.num_classes=2")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
-            if value is not None and not (Path(value).expanduser() / "manifest.json").is_file():
+            try:
+                found = value is None or (Path(value).expanduser() / "manifest.json").is_file()
+            except OSError:  # a name too long for the file system (is_file raises, not False)
+                found = False
+            if not found:
                 raise invalid(f"data.{key}", value, "no dataset there (no manifest.json)",
                               f"data.{key}=<a directory made by python -m jobs.prepare> or "
                               f"data.{key}=null for the demo dataset")
@@ -774,6 +808,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.task == MISSING:  # built in Python without one (Hydra's defaults list always sets it)
             self.task = ClassifyTaskConfig()
+        check_ints(self)
         if self.log_every_steps < 1:
             raise invalid("log_every_steps", self.log_every_steps, "must be >= 1", "log_every_steps=10")
         if self.eval_every_steps < 0:

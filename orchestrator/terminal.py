@@ -20,6 +20,12 @@ def printable(text: object) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
 
 
+def one_line(text: object) -> str:
+    """``printable``, with line breaks escaped too: for a message that must stay one line (an
+    ``error:`` line) though it echoes a value that holds one."""
+    return printable(text).replace("\n", "\\n")
+
+
 def refuse_control(argv: Sequence[str]) -> str | None:
     """An error for the first argument that holds a control character, or None."""
     for position, arg in enumerate(argv[1:], start=1):

@@ -288,7 +288,11 @@ class Registry:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path).expanduser() if path else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a component that is a file, a name too long, no permission
+            raise RegistryError(f"cannot open the sweep registry {self.path}: {e.strerror} ({e.filename}; "
+                                f"set {REGISTRY_ENV} to use another file)") from e
         try:
             # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in _write).
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)

@@ -26,7 +26,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_app_check
+from orchestrator.config import (
+    ClusterConfig,
+    ConfigError,
+    ParallelismConfig,
+    omegaconf_error,
+    register_app_check,
+)
+from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
     dist_env,
     provenance,
@@ -39,7 +46,7 @@ from orchestrator.launch import (
 )
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
-from orchestrator.terminal import printable
+from orchestrator.terminal import one_line, printable
 
 APP = "run"
 
@@ -50,7 +57,7 @@ def load_config(cfg: DictConfig) -> RunConfig:
         return cast(RunConfig, OmegaConf.to_object(cfg))
     except OmegaConfBaseException as e:  # OmegaConf wraps errors raised in __post_init__
         cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
-        raise cause or ConfigError(str(e)) from e
+        raise cause or omegaconf_error(e) from e
 
 
 def spec_of(cfg: RunConfig, run_dir: Path) -> rank.CommandSpec:
@@ -187,6 +194,7 @@ def report(results: list[rank.RankResult], run_dir: Path) -> list[rank.RankResul
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="run")
+@hydra_task
 def hydra_main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
@@ -196,7 +204,10 @@ def hydra_main(cfg: DictConfig) -> None:
     except submit.JobStoppedError as e:  # a cancel (or preemption) is not a failure
         print(f"stopped: {printable(e)}", file=sys.stderr)
         sys.exit(submit.STOPPED_EXIT_CODE)
-    except (ConfigError, submit.JobFailedError, rank.CommandFailed) as e:
+    except ConfigError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except (submit.JobFailedError, rank.CommandFailed) as e:  # with the failing rank's log tail
         if isinstance(e, rank.CommandFailed) and dist_env.inside_launched_job():
             raise  # a sweep point's rank: its report keeps the rank, the command's status and signal
         print(f"error: {printable(e)}", file=sys.stderr)
@@ -210,7 +221,7 @@ def main(overrides: Sequence[str], command: Sequence[str]) -> int:
     saved = sys.argv
     sys.argv = ["switchyard run", *overrides]
     try:
-        hydra_main()
+        hydra_app(hydra_main, sys.argv, prefix="switchyard run: ")
     finally:
         sys.argv = saved
     return 0

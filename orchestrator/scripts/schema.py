@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from orchestrator.config import ClusterConfig, ParallelismConfig, TelemetryConfig, invalid, register_configs
+from orchestrator.config import (
+    ClusterConfig,
+    ParallelismConfig,
+    TelemetryConfig,
+    check_ints,
+    invalid,
+    register_configs,
+)
 
 
 @dataclass
@@ -25,6 +32,7 @@ class RunConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
+        check_ints(self)
         parallelism = self.parallelism
         if self.cluster.mode == "local" and parallelism.gpus_per_node and parallelism.nodes > 1:
             raise invalid("parallelism.nodes", parallelism.nodes, "GPUs in cluster=local run on this "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from orchestrator.entry import task_started
 from orchestrator.launch import dist_env, local_jobs, provenance, slurm_query
 from orchestrator.registry.db import Job, Registry, RegistryError, damage_reported
 from orchestrator.registry.reconciliation import reconcile
@@ -114,6 +115,9 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     wait = settings.wait if settings.wait is not None else _app_wait(points)
     if settings.executor == "local" and not wait:
         check_local_window(len(points), settings.array_parallelism)
+    # checked: what fails from here on is not the user's input, and the jobs started below must
+    # not inherit orchestrator.entry.hydra_app's HYDRA_FULL_ERROR
+    task_started()
     take_snapshots(points)
     origin = provenance.origin(packages=user_packages(points, task_function))
     diff = provenance.write_diff(sweep_dir, origin)  # once per submission, named by every point

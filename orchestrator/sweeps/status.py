@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
+from orchestrator.entry import shown
 from orchestrator.launch import local_jobs, provenance, slurm_query
 from orchestrator.launch.cancel import SLURM_END_WAIT_S, CancelError, cancel
 from orchestrator.registry.db import (
@@ -60,20 +61,41 @@ class Ref:
         return str(self.sweep_id) if self.num is None else f"{self.sweep_id}/{self.num}"
 
 
+# The largest id SQLite stores: a larger number names nothing (and SQLite cannot even look it up).
+MAX_ID = 2**63 - 1
+
+
 def parse_ref(registry: Registry, text: str, want_job: bool = False) -> Ref:
-    """``12`` (a sweep), ``12/3`` (its job 3), or a SLURM id (``4711_3``, ``4711``, a local pid)."""
+    """``12`` (a sweep), ``12/3`` (its job 3), or a SLURM id (``4711_3``, ``4711``, a local pid).
+    The sweep and the job must exist: a job number past the sweep's end once read as a job with
+    nothing to show (an empty table, "every job has already ended")."""
     match = re.fullmatch(r"(\d+)(?:[/:](\d+))?", text.strip())
-    if match and match.group(2) is not None:
-        return Ref(int(match.group(1)), int(match.group(2)))
-    if match and not want_job and any(s.id == int(text) for s in registry.sweeps()):
-        return Ref(int(text))
+    numbers = [int(n) for n in match.groups() if n is not None] if match else []
+    if numbers and max(numbers) <= MAX_ID:
+        if len(numbers) == 2:
+            return _existing_job(registry, numbers[0], numbers[1])
+        if not want_job and any(s.id == numbers[0] for s in registry.sweeps()):
+            return Ref(numbers[0])
     attempt = registry.find_attempt(text.strip())
     if attempt is not None:
         return Ref(attempt.sweep_id, attempt.num)
     what = "a job: SWEEP/NUM (e.g. 3/0) or its SLURM id" if want_job else \
         "a sweep id, SWEEP/NUM, or a SLURM job id"
-    raise CommandError(f"{text!r} names nothing in {registry.path}: expected {what} "
-                       f"(`switchyard status` lists them)")
+    raise CommandError(f"{shown(text)} names nothing in {registry.path}: expected {what} "
+                       f"({command(registry, 'status')} lists them)")
+
+
+def _existing_job(registry: Registry, sweep_id: int, num: int) -> Ref:
+    registry.sweep(sweep_id)  # raises, naming the latest sweeps, when there is none
+    count = registry.count_jobs(sweep_id)
+    if num >= count:
+        jobs = (f"{sweep_id}/0 to {sweep_id}/{count - 1}" if count > 1
+                else f"{sweep_id}/0" if count else "none")
+        raise CommandError(f"sweep {sweep_id} has no job {num}: it has {count} job"
+                           f"{'s' if count != 1 else ''} ({jobs}; {command(registry, 'status', sweep_id)} "
+                           f"lists them)")
+    registry.job(sweep_id, num)  # numbered from 0 without gaps; raises if one is missing anyway
+    return Ref(sweep_id, num)
 
 
 def _job_ref(registry: Registry, text: str) -> Ref:

@@ -101,8 +101,17 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
     training data goes through the model and the task's loss. On the meta device: no weights are
     allocated, no arithmetic is done, and shapes are checked as on the ranks."""
     kwargs = task.model_kwargs(train)
-    with torch.device("meta"):
-        model = build_model(cfg.model, kwargs, cfg.memory)
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, kwargs, cfg.memory)
+    except ConfigError:
+        raise  # a ValueError too: build_model's own refusal, already one line
+    except (RuntimeError, ValueError, OverflowError) as e:  # model.hidden_dim=-1: torch refuses it
+        spec = {k: v for k, v in group_dict(cfg.model).items() if k != "_target_"}
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model._target_={group_dict(cfg.model).get('_target_')!r} cannot be built "
+                          f"with its config ({', '.join(f'model.{k}={v!r}' for k, v in spec.items())}): "
+                          f"{first} (fix the model.* value)") from e
     if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
         strategy.shard_units(model, cfg.parallelism.fsdp_units)
     example = example_batch(task, train)
