@@ -4,7 +4,8 @@ run; for ``memory.auto_microbatch``, one that runs out of memory above a batch s
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -93,3 +94,36 @@ class RaisesSomethingNew(RowPoolingMLP):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         raise RaisesSomethingNew.StrangeError("the model's own complaint")
+
+
+class OutputAs(torch.nn.Module):
+    """A built-in model (``inner``: its dotted name) whose output is handed back as ``kind``: a
+    ``dict``, a ``dataclass`` or a ``namedtuple`` with ``logits`` (as Hugging Face models return),
+    or a plain ``tuple`` of three, which no task can read."""
+
+    def __init__(self, kind: str, inner: str, **kwargs: Any) -> None:
+        super().__init__()
+        from orchestrator.config import import_target
+
+        self.kind, self.inner = kind, import_target("model", inner, "")(**kwargs)
+
+    def forward(self, *args: Tensor) -> Any:
+        logits = self.inner(*args)
+        if self.kind == "dict":
+            return {"loss": None, "logits": logits}
+        if self.kind == "dataclass":
+            return WithLogits(logits=logits, hidden=None)
+        if self.kind == "namedtuple":
+            return NamedLogits(logits, logits.detach())
+        return (logits, logits, logits)
+
+
+@dataclasses.dataclass
+class WithLogits:
+    logits: Tensor
+    hidden: Tensor | None
+
+
+class NamedLogits(NamedTuple):
+    logits: Tensor
+    detached: Tensor
