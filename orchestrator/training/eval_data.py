@@ -38,7 +38,8 @@ def differences(train: ShardedDataset, held_out: ShardedDataset) -> list[tuple[s
          f"{prepare} tokenizer: python -m jobs.prepare input=... output={held_out.root} "
          f"tokenizer={train.root} overwrite=true"),
         ("classes", classes(train), classes(held_out),
-         f"{prepare} class folders, in the same order: a folder for every class"),
+         f"{prepare} class names: an image folder with a folder, of at least one image, for "
+         f"every class of the training set"),
         ("fields", fields(train), fields(held_out), f"{prepare} fields, dtypes and shapes"),
     ]
 
