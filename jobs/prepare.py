@@ -55,6 +55,7 @@ from jobs.text_corpus import (
     bytes_tokenizer,
     corpus_files,
     count_documents,
+    dataset_tokenizer,
     load_tokenizer,
     token_samples,
     train_bpe,
@@ -507,6 +508,8 @@ def text_tokenizer(cfg: PrepareConfig, corpus: Corpus, num_documents: int) -> Te
         return bytes_tokenizer()
     if cfg.tokenizer == "bpe":
         return train_bpe(corpus, cfg.tokenizer_vocab or DEFAULT_BPE_VOCAB, num_documents)
+    if Path(cfg.tokenizer).expanduser().is_dir():  # a prepared dataset: its own tokenizer
+        return dataset_tokenizer(Path(cfg.tokenizer).expanduser(), cfg.eos_token)
     return load_tokenizer(cfg.tokenizer, cfg.eos_token)
 
 

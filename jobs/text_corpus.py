@@ -13,6 +13,9 @@ trainer packing documents back to back finds EOS between them:
   with EOS ``<|endoftext|>``; its ``tokenizer.json`` is stored in the dataset.
 - a path to a Hugging Face ``tokenizer.json``: used as is, EOS found by name (``eos_token``);
   a copy is stored in the dataset, so the dataset alone decodes its tokens.
+- a prepared dataset's directory (``tokenizer=data/lm_train``): the tokenizer it records, its own
+  ``tokenizer.json`` byte for byte and its EOS id, so an eval set is tokenized as its training set
+  was (``jobs.train`` refuses an eval set whose tokenizer differs from the training set's).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from orchestrator.config import ConfigError, invalid
-from sharding.format import DatasetError
+from sharding.format import DatasetError, read_manifest
 
 BYTES_EOS_ID = 256
 BYTES_VOCAB_SIZE = 257
@@ -201,6 +204,33 @@ def load_tokenizer(path_text: str, eos_token: str | None) -> TextTokenizer:
                                               f"({type(e).__name__}: {e})",
                       "tokenizer=bytes, tokenizer=bpe, or the path of a tokenizer.json") from e
     return _huggingface(tokenizer, "huggingface", _eos_id(tokenizer, eos_token, path_text), data)
+
+
+def dataset_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
+    """The tokenizer a prepared dataset records: kind, EOS id and ``tokenizer.json`` as they are."""
+    fix = "tokenizer=DIR of a dataset written by jobs.prepare format=text"
+    try:
+        manifest = read_manifest(path)
+    except DatasetError as e:
+        raise invalid("tokenizer", str(path), f"is a directory but no dataset: {e}", fix) from e
+    recorded = manifest.attributes.get("tokenizer")
+    if not isinstance(recorded, dict):
+        raise invalid("tokenizer", str(path), "is a dataset that records no tokenizer", fix)
+    if eos_token is not None:
+        raise invalid("eos_token", eos_token, f"is not read with tokenizer={path}: the dataset's "
+                                              f"EOS id {recorded.get('eos_id')} is used", "drop eos_token")
+    if recorded.get("kind") == "bytes":
+        return bytes_tokenizer()
+    from tokenizers import Tokenizer  # deferred: only text inputs with such a tokenizer need it
+
+    data = (path / str(recorded.get("file"))).read_bytes()
+    tokenizer = _huggingface(Tokenizer.from_str(data.decode("utf-8")), str(recorded["kind"]),
+                             int(recorded["eos_id"]), data)
+    if tokenizer.vocab_size != recorded.get("vocab_size"):
+        raise invalid("tokenizer", str(path), f"records a vocabulary of {recorded.get('vocab_size')} "
+                                              f"ids but its {recorded.get('file')} has "
+                                              f"{tokenizer.vocab_size}", "prepare that dataset again")
+    return tokenizer
 
 
 def _eos_id(tokenizer: Any, eos_token: str | None, where: str) -> int:

@@ -139,12 +139,20 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if memory is not None:
         print(memory.line(), flush=True)
         estimate.write_report(run_dir, memory)  # rank 0 puts it in summary.json beside the peak
-    job = submit.submit(executor, rank_process.train_rank, cfg, paths, str(run_dir))
+    job = submit.submit(executor, train_job, cfg, paths, str(run_dir))
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
                                        OmegaConf.to_yaml(cfg))
     results = single.follow(cfg.cluster, recorded, job, run_dir)
     return None if results is None else report(results[0], run_dir)
+
+
+def train_job(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: str) -> dict[str, Any]:
+    """What each rank of a submitted job runs: its training, rank 0 reporting the attempt for
+    ``switchyard status`` (node, start, end)."""
+    env = dist_env.detect()
+    return single.run_reporting(run_dir, env.job_id, env.restart_count, env.hostname, env.is_main,
+                                lambda: rank_process.train_rank(cfg, paths, run_dir))
 
 
 def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, explicit: set[str]

@@ -4,7 +4,8 @@ run; for ``memory.auto_microbatch``, one that runs out of memory above a batch s
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,3 +61,69 @@ class _FailsInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         raise torch.OutOfMemoryError("test: out of memory in backward")
+
+
+class TinyResNet(torch.nn.Module):
+    """resnet18's shape in small: conv-BatchNorm stem, one residual block, global pooling, then a
+    BatchNorm over the pooled features (one value per channel per sample: a batch of one in train
+    mode raises "Expected more than 1 value per channel when training"), then the head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 8) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Sequential(nn.Conv2d(input_shape[0], width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(width), nn.ReLU(),
+                                   nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width))
+        self.pooled_norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        x = torch.relu(x + self.block(x))
+        pooled = torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)  # [B, width]
+        return self.head(self.pooled_norm(pooled))
+
+
+class RaisesSomethingNew(RowPoolingMLP):
+    """Raises an exception type no check names, as a model's own code may."""
+
+    class StrangeError(Exception):
+        pass
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        raise RaisesSomethingNew.StrangeError("the model's own complaint")
+
+
+class OutputAs(torch.nn.Module):
+    """A built-in model (``inner``: its dotted name) whose output is handed back as ``kind``: a
+    ``dict``, a ``dataclass`` or a ``namedtuple`` with ``logits`` (as Hugging Face models return),
+    or a plain ``tuple`` of three, which no task can read."""
+
+    def __init__(self, kind: str, inner: str, **kwargs: Any) -> None:
+        super().__init__()
+        from orchestrator.config import import_target
+
+        self.kind, self.inner = kind, import_target("model", inner, "")(**kwargs)
+
+    def forward(self, *args: Tensor) -> Any:
+        logits = self.inner(*args)
+        if self.kind == "dict":
+            return {"loss": None, "logits": logits}
+        if self.kind == "dataclass":
+            return WithLogits(logits=logits, hidden=None)
+        if self.kind == "namedtuple":
+            return NamedLogits(logits, logits.detach())
+        return (logits, logits, logits)
+
+
+@dataclasses.dataclass
+class WithLogits:
+    logits: Tensor
+    hidden: Tensor | None
+
+
+class NamedLogits(NamedTuple):
+    logits: Tensor
+    detached: Tensor

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -71,6 +72,36 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
         registry.confirm([Submitted(attempt_id, job_id, array_id if index else None,
                                     int(index) if index else None, str(log_dir))])
         return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id)
+
+
+def run_reporting(run_dir: str | Path, job_id: str, restarts: int, node: str, is_main: bool,
+                  run: Callable[[], R]) -> R:
+    """Run one rank of a single job; rank 0 writes the attempt's status file (node, start, then end
+    and exit code) for ``switchyard status`` and ``show``, as ``switchyard run`` ranks and sweep
+    points do: a ``jobs.train`` job's NODE, STARTED and RUNTIME were empty. A stop for a requeue or
+    preemption (a SystemExit with a ``stop_reason``: the trainer's JobStopped, AttemptNotOver)
+    writes no end: the attempt is not over."""
+    if not is_main:
+        return run()
+    status = TaskStatus(job_id=job_id, started_at=time.time(), restarts=restarts, node=node)
+    status.write(run_dir)
+    try:
+        result = run()
+    except SystemExit as e:
+        if not hasattr(e, "stop_reason"):
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            _end(status, run_dir, code, f"exited with status {code}" if code else None)
+        raise
+    except BaseException as e:
+        _end(status, run_dir, 1, f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        raise
+    _end(status, run_dir, 0, None)
+    return result
+
+
+def _end(status: TaskStatus, run_dir: str | Path, code: int, error: str | None) -> None:
+    TaskStatus(**{**status.__dict__, "ended_at": time.time(), "exit_code": code,
+                  "error": error}).write(run_dir)
 
 
 def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],

@@ -17,6 +17,7 @@ from torch import nn
 from orchestrator.config import ConfigError, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
 from orchestrator.training import estimate, resume, run_log, strategy
+from orchestrator.training.eval_data import check_eval_matches
 from orchestrator.training.step import build_model
 from orchestrator.training.tasks import Batch, Task, build_task
 from orchestrator.training.trainer import DataPaths
@@ -26,6 +27,9 @@ from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 # Models above this size are not built on the CPU to run the example batch when the meta device
 # cannot run them (a data-dependent branch): their check is left to the first step.
 CPU_EXAMPLE_MAX_PARAMETERS = 50_000_000
+# Samples in the CPU run's batch (the meta run takes data.batch_size): at least two, for BatchNorm
+# in train mode, and few, as its activations are real memory on this machine.
+CPU_EXAMPLE_SAMPLES = 2
 
 
 def check_before_submit(cfg: TrainConfig, paths: DataPaths, run_dir: Path | None = None
@@ -38,7 +42,9 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths, run_dir: Path | None
     task.setup(train)
     task.check_dataset("data.path", train)
     if paths.eval is not None:
-        task.check_dataset("data.eval_path", open_checked("data.eval_path", paths.eval))
+        held_out = open_checked("data.eval_path", paths.eval)
+        check_eval_matches(train, held_out)  # first: another tokenizer's ids say nothing of ours
+        task.check_dataset("data.eval_path", held_out)
     check_sampling(cfg, task, train)
     if cfg.checkpoint.dir:
         check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir).expanduser())
@@ -98,8 +104,10 @@ def open_checked(key: str, path: str) -> ShardedDataset:
 
 def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
     """The constructor takes its config, fsdp finds units to shard, and one real batch of the
-    training data goes through the model and the task's loss. On the meta device: no weights are
-    allocated, no arithmetic is done, and shapes are checked as on the ranks."""
+    training data (``data.batch_size`` samples, as few as it holds) goes through the model and the
+    task's loss in train mode. On the meta device: no weights are allocated, no arithmetic is
+    done, and shapes are checked as on the ranks. Whatever the model raises is one refusal naming
+    it: a new exception type (an AttributeError) was a traceback."""
     kwargs = task.model_kwargs(train)
     try:
         with torch.device("meta"):
@@ -114,25 +122,32 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
                           f"{first} (fix the model.* value)") from e
     if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
         strategy.shard_units(model, cfg.parallelism.fsdp_units)
-    example = example_batch(task, train)
+    example = example_batch(task, train, cfg.data.batch_size)
     try:
         run_example(task, model, {k: v.to("meta") if k in task.fields() else v for k, v in example.items()})
-    except (NotImplementedError, RuntimeError) as e:
+    except ConfigError:
+        raise  # the task's own refusal (an output it cannot read) names the fix already
+    except Exception as e:
         if not meta_cannot_run(e):
             raise refused(cfg, example, e) from e
         if sum(p.numel() for p in model.parameters()) <= CPU_EXAMPLE_MAX_PARAMETERS:
-            try:  # a data-dependent branch: the same batch on the CPU, with real (small) weights
-                run_example(task, build_model(cfg.model, kwargs, cfg.memory), example)
-            except (RuntimeError, ValueError, TypeError, IndexError) as cpu_error:
-                raise refused(cfg, example, cpu_error) from cpu_error
-    except (ValueError, TypeError, IndexError) as e:
-        raise refused(cfg, example, e) from e
+            try:  # a data-dependent branch: a batch on the CPU, with real (small) weights
+                small = example_batch(task, train, min(cfg.data.batch_size, CPU_EXAMPLE_SAMPLES))
+                run_example(task, build_model(cfg.model, kwargs, cfg.memory), small)
+            except ConfigError:
+                raise
+            except Exception as cpu_error:
+                raise refused(cfg, small, cpu_error) from cpu_error
 
 
-def example_batch(task: Task, ds: ShardedDataset) -> Batch:
-    """The first sample (or window) of ``ds`` as a batch of one, on the host."""
+def example_batch(task: Task, ds: ShardedDataset, batch_size: int = 1) -> Batch:
+    """The first ``batch_size`` samples (or windows) of ``ds``, as many as it holds, as one batch
+    on the host: BatchNorm in train mode needs more than one value per channel, so a batch of one
+    refused every ResNet."""
     source = task.source(ds)
-    return (RankDataset(ds) if source is None else source).__getitems__([0])
+    data = RankDataset(ds) if source is None else source
+    available = sum(ds.shard_counts if source is None else source.shard_counts)
+    return data.__getitems__(list(range(max(1, min(batch_size, available)))))
 
 
 def run_example(task: Task, model: nn.Module, batch: Batch) -> None:
@@ -150,7 +165,8 @@ def refused(cfg: TrainConfig, example: Batch, error: BaseException) -> ConfigErr
     target = group_dict(cfg.model).get("_target_")
     shapes = ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
                        for k, v in example.items() if isinstance(v, torch.Tensor))
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = str(error).strip()
+    first = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
     return ConfigError(f"model._target_={target!r} fails on one real batch of data.path ({shapes}): "
                        f"{first} (fix the model for this input, or choose the task and fields that "
                        f"fit it)")

@@ -25,6 +25,8 @@ a run writes and prunes only its own checkpoints.
   would otherwise bring the checkpoint's learning rate back. The changes are printed and recorded
   in summary.json (``resumed_from.config_changes``). ``optim.max_steps`` below the checkpoint's
   step is refused.
+- followed: ``data.eval_path`` (any eval set), compared with the training data before every
+  submission as on the first (``eval_data.check_eval_matches``: tokenizer, classes, fields).
 - the code and torch's version: ``provenance.resume_change``, refused unless
   ``checkpoint.allow_code_change=true``.
 

@@ -219,7 +219,7 @@ def test_a_model_that_cannot_take_the_data_is_refused_before_submission(
     refused = refusal("model=custom", "model._target_=usercode.cnn.TooDeep",
                       f"data.path={tmp_path / 'images'}")
     assert ("model._target_='usercode.cnn.TooDeep' fails on one real batch of data.path "
-            "(x: uint8[1, 1, 8, 8]") in refused
+            "(x: uint8[8, 1, 8, 8]") in refused  # all 8 images, below batch_size 32
 
 
 def test_a_users_own_task_trains_and_is_checked_before_submission(

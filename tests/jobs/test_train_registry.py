@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ def test_a_single_local_train_run_is_in_switchyard_status(tmp_path: Path) -> Non
     (job,) = listed["jobs"]
     assert listed["sweep"]["app"] == "train" and listed["sweep"]["executor"] == "local"
     assert job["state"] == "COMPLETED" and job["run_dir"] == str(run_dir) and job["step"] == 4
+    # NODE, STARTED and RUNTIME were empty: only `switchyard run` ranks wrote the attempt's file
+    assert job["node"] == socket.gethostname() and job["exit_code"] == 0
+    assert job["started_at"] <= job["ended_at"] and job["runtime_s"] == job["ended_at"] - job["started_at"]
     shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "show", "1/0"], env=env,
                            capture_output=True, text=True, check=True)
     assert "max_steps: 4" in shown.stdout

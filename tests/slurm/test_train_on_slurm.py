@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,13 +22,20 @@ SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16"
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_nodes_two_ranks_train_to_a_lower_loss(tmp_path: Path, strategy: str) -> None:
     run_dir = tmp_path / "run"
+    env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2", *SMALL,
          f"parallelism.strategy={strategy}", f"data.cache_dir={tmp_path / 'cache'}",
          f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    # NODE, STARTED and RUNTIME of the job's row were empty: only `switchyard run` ranks reported
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"], env=env,
+                            capture_output=True, text=True, check=True)
+    (job,) = json.loads(status.stdout)["jobs"]
+    assert job["slurm_id"] == job_id and job["node"] in ("n1", "n2") and job["exit_code"] == 0
+    assert job["runtime_s"] == job["ended_at"] - job["started_at"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4
     assert sorted(set(summary["node_per_rank"])) == ["n1", "n2"]

@@ -121,6 +121,33 @@ def import_task(target: Any) -> type:
     return found
 
 
+def logits_of(output: Any, task: str, needs: str) -> Tensor:
+    """The tensor a task's loss reads from whatever the model returned: a tensor as it is; the
+    ``logits`` of a Hugging Face ``ModelOutput``, a dict, a namedtuple or any object with that
+    attribute. Anything else (a plain tuple: which item is it?) is a ConfigError naming the type
+    returned and what ``task`` needs, raised before submission by the model check."""
+    if isinstance(output, Tensor):
+        return output
+    found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(found, Tensor):
+        return found
+    returned = type(output).__name__
+    if isinstance(output, (tuple, list)):
+        returned = f"{returned} of {len(output)}"
+    elif found is not None:
+        returned = f"{returned} whose logits is a {type(found).__name__}"
+    raise ConfigError(f"model returned {returned}; {task} needs {needs} or an output with .logits "
+                      f"(return the tensor, or an object or dict with a logits tensor)")
+
+
+def accepts(model: nn.Module, name: str) -> bool:
+    """``model.forward`` names the keyword ``name`` (a Hugging Face model's ``input_ids``)."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: called positionally
+        return False
+
+
 def real_mask(batch: Batch) -> Tensor:
     """bool [B]: the entries that are samples, not the sampler's padding."""
     return ~batch["is_pad"]

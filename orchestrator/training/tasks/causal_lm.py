@@ -9,11 +9,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from orchestrator.config import ConfigError, DataConfig
-from orchestrator.training.tasks import Batch, Task, attributes, describe_fields, real_mask
+from orchestrator.training.tasks import (
+    Batch,
+    Task,
+    accepts,
+    attributes,
+    describe_fields,
+    logits_of,
+    real_mask,
+)
 from sharding import DatasetError, ShardedDataset
 from sharding.windows import TokenWindows
 
@@ -82,7 +91,17 @@ class CausalLm(Task):
         return "input", "target", "is_pad"
 
     def forward(self, model: nn.Module, batch: Batch) -> Tensor:
-        return model(batch["input"])
+        """``model(input)``, or ``model(input_ids=input)`` where forward names ``input_ids`` (a
+        Hugging Face causal LM), with an all-true ``attention_mask`` where it names one: packed
+        windows hold no padding, and a padded entry of the sampler is masked out of the loss."""
+        inputs = batch["input"]
+        module = getattr(model, "module", model)  # DDP's forward takes *args, **kwargs
+        if accepts(module, "input_ids"):
+            mask = {"attention_mask": torch.ones_like(inputs)} if accepts(module, "attention_mask") else {}
+            output = model(input_ids=inputs, **mask)
+        else:
+            output = model(inputs)
+        return logits_of(output, "task=causal_lm", "logits [B, L, V]")
 
     def loss_sums(self, output: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
         tokens = real_mask(batch).unsqueeze(1).expand_as(batch["target"])  # bool [B, L]

@@ -21,6 +21,7 @@ from orchestrator.training.tasks import (
     attributes,
     describe_fields,
     field_of,
+    logits_of,
     model_input,
     real_mask,
     sample_shape,
@@ -31,8 +32,9 @@ from sharding import DatasetError, ShardedDataset
 class SampleInput:
     """How a task that reads one input field per sample calls the model (classify, regress)."""
 
-    def __init__(self, data: DataConfig) -> None:
+    def __init__(self, data: DataConfig, task: str, needs: str) -> None:
         self.field = data.input_field
+        self.task, self.needs = task, needs  # for the refusal of an output with no logits
         self.rows_features = True  # set from the dataset by ``setup``
 
     def setup(self, ds: ShardedDataset) -> None:
@@ -60,13 +62,13 @@ class SampleInput:
         mask = batch.get(f"{self.field}_mask")
         if self.rows_features and mask is None:  # stacked rows: every row is real
             mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-        return model(x) if mask is None else model(x, mask)
+        return logits_of(model(x) if mask is None else model(x, mask), self.task, self.needs)
 
 
 class Classify(Task):
     def __init__(self, data: DataConfig) -> None:
         super().__init__(data)
-        self.input = SampleInput(data)
+        self.input = SampleInput(data, "task=classify", "logits [B, num_classes]")
         self.target = data.target_field
         self.num_classes = data.num_classes
 

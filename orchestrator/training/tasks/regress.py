@@ -19,7 +19,7 @@ from sharding import ShardedDataset
 class Regress(Task):
     def __init__(self, data: DataConfig) -> None:
         super().__init__(data)
-        self.input = SampleInput(data)
+        self.input = SampleInput(data, "task=regress", "predictions [B, num_outputs]")
         self.target = data.target_field
 
     def setup(self, ds: ShardedDataset) -> None:

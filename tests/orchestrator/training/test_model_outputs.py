@@ -1,0 +1,149 @@
+"""Any model output in every task (issue 36): a tensor, or a dict, dataclass or namedtuple with
+``logits`` (a Hugging Face ``ModelOutput`` is both); anything else is one refusal before
+submission naming the type returned and what the task needs. ``causal_lm`` calls a model whose
+forward names ``input_ids`` by keyword. The task's own loss stays the loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rank_helpers import write_rows_dataset
+
+from orchestrator.config import (
+    CausalLmTaskConfig,
+    ConfigError,
+    DataConfig,
+    LoggerConfig,
+    OptimConfig,
+    RegressTaskConfig,
+    TelemetryConfig,
+    TrainConfig,
+)
+from orchestrator.training import checks, runtime, trainer
+from orchestrator.training.tasks import build_task
+from sharding import DatasetWriter, open_dataset
+
+KINDS = ["dict", "dataclass", "namedtuple"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    with DatasetWriter(root / "tokens") as writer:
+        for _ in range(8):
+            writer.append({"tokens": rng.integers(0, 50, 40).astype(np.uint16)})
+    with DatasetWriter(root / "targets") as writer:
+        for _ in range(16):
+            writer.append({"x": rng.normal(size=(3, 5)).astype(np.float32),
+                           "y": rng.normal(size=(2,)).astype(np.float32)})
+    return {"classify": write_rows_dataset(root / "rows", 16, features=5, classes=3, max_rows=4),
+            "causal_lm": str(root / "tokens"), "regress": str(root / "targets")}
+
+
+def config(task: str, path: str, model: dict[str, Any], **optim: Any) -> TrainConfig:
+    specs = {"classify": {}, "causal_lm": {"task": CausalLmTaskConfig(vocab_size=50)},
+             "regress": {"task": RegressTaskConfig()}}
+    return TrainConfig(model=model, **specs[task],  # type: ignore[arg-type]
+                       data=DataConfig(path=path, num_classes=3, seq_len=8, batch_size=4),
+                       optim=OptimConfig(**{"max_steps": 4, **optim}), log_every_steps=1,
+                       logger=LoggerConfig(tensorboard=False), telemetry=TelemetryConfig(enabled=False))
+
+
+def wrapped(task: str, kind: str) -> dict[str, Any]:
+    inner = {"causal_lm": {"inner": "jobs.models.GPT", "d_model": 16, "num_heads": 2, "num_layers": 1}}
+    return {"_target_": "model_helpers.OutputAs", "kind": kind,
+            **inner.get(task, {"inner": "jobs.models.RowPoolingMLP", "hidden_dim": 8})}
+
+
+def check(cfg: TrainConfig) -> None:
+    task, ds = build_task(cfg.task, cfg.data), open_dataset(cfg.data.path or "")
+    task.setup(ds)
+    checks.check_model(cfg, task, ds)
+
+
+@pytest.mark.parametrize("task", ["classify", "causal_lm", "regress"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_output_with_logits_is_accepted_in_every_task(data: dict[str, str], task: str, kind: str) -> None:
+    check(config(task, data[task], wrapped(task, kind)))
+
+
+@pytest.mark.parametrize(("task", "needs"), [("causal_lm", "logits [B, L, V]"),
+                                             ("classify", "logits [B, num_classes]"),
+                                             ("regress", "predictions [B, num_outputs]")])
+def test_a_tuple_is_refused_naming_its_type_and_what_the_task_needs(data: dict[str, str], task: str,
+                                                                    needs: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check(config(task, data[task], wrapped(task, "tuple")))
+    assert str(refused.value) == (
+        f"model returned tuple of 3; task={task} needs {needs} or an output with .logits (return the "
+        f"tensor, or an object or dict with a logits tensor)")
+
+
+def test_a_dict_output_trains_to_the_same_losses_as_the_tensor(rank: runtime.Runtime, data: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    """The task's loss is computed from the logits either way: the same weights, the same losses."""
+    losses = []
+    for name, model in (("tensor", {"_target_": "jobs.models.GPT", "d_model": 16, "num_heads": 2,
+                                    "num_layers": 1}), ("dict", wrapped("causal_lm", "dict"))):
+        cfg = config("causal_lm", data["causal_lm"], model)
+        paths = trainer.DataPaths(data["causal_lm"], data["causal_lm"])
+        checks.check_before_submit(cfg, paths)
+        (tmp_path / name).mkdir()
+        done = trainer.Trainer(cfg, paths, tmp_path / name, rank).run()
+        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses.append(([m["train_loss"] for m in metrics if "train_loss" in m], done["final_eval_loss"]))
+    assert losses[0] == losses[1] and len(losses[0][0]) == 4
+
+
+HF_FACTORY = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def gpt2(vocab_size, seq_len, wrap=False):
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=32,
+                                       n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
+    return Logits(model) if wrap else model
+
+
+class Logits(torch.nn.Module):
+    """The three-line wrapper users wrote before: forward returns .logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(tokens).logits
+'''
+
+
+def test_a_raw_hugging_face_causal_lm_trains_as_its_logits_wrapper_does(data: dict[str, str],
+                                                                        tmp_path: Path) -> None:
+    """It ended before submission with a Hydra traceback: AttributeError:
+    'CausalLMOutputWithCrossAttentions' object has no attribute 'float'."""
+    pytest.importorskip("transformers")
+    (tmp_path / "hfmodels.py").write_text(HF_FACTORY)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    losses = []
+    for name, extra in (("raw", []), ("wrapped", ["+model.wrap=true"])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "jobs.train", "task=causal_lm", "model=custom",
+             "model._target_=hfmodels.gpt2", *extra, f"data.path={data['causal_lm']}",
+             "task.vocab_size=50", "data.seq_len=8", "data.batch_size=4", "optim.max_steps=6",
+             "deterministic=true", "logger=jsonl", "log_every_steps=1", f"hydra.run.dir={tmp_path / name}"],
+            capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        done = json.loads((tmp_path / name / "summary.json").read_text())
+        assert done["world_size"] == 2 and done["steps"] == 6
+        losses.append(done["final_train_loss"])
+    assert losses[0] == losses[1]
