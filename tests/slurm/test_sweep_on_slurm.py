@@ -147,7 +147,7 @@ def test_bad_input_fails_at_submission_naming_the_point_and_queues_nothing(tmp_p
            "(try cluster.partition=debug)" in partition.stderr
     value = run(tmp_path, *base, "optim.lr=1e-3,-1")
     assert value.returncode != 0 and "sweep point #1 (" in value.stderr
-    assert "optim.lr=-1.0 is invalid: must be >= 0" in value.stderr
+    assert "optim.lr=-1.0 is invalid: must be > 0 and <= 10" in value.stderr
     unknown = run(tmp_path, *base, "model=mlp,transformer", "model.hidden_dim=32")  # mlp has it only
     assert unknown.returncode != 0 and "model.hidden_dim" in unknown.stderr
     queued = subprocess.run(["squeue", "-h", "-n", f"sy-bad-{os.getpid()}"], capture_output=True,

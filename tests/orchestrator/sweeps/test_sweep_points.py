@@ -72,7 +72,8 @@ def test_a_bad_value_in_one_point_names_that_point(train_app: tuple[HydraContext
     with pytest.raises(SweepError) as info:
         _point(train_app, tmp_path, ["optim.lr=-1"], num=7)
     assert str(info.value).startswith("sweep point #7 (cluster=slurm data.cache_dir=")
-    assert "optim.lr=-1): optim.lr=-1.0 is invalid: must be >= 0 (try optim.lr=0.003)" in str(info.value)
+    assert ("optim.lr=-1): optim.lr=-1.0 is invalid: must be > 0 and <= 10 (try optim.lr=0.003)"
+            in str(info.value))
 
 
 def test_an_unknown_key_in_one_point_names_that_point(train_app: tuple[HydraContext, DictConfig],
