@@ -127,3 +127,24 @@ class WithLogits:
 class NamedLogits(NamedTuple):
     logits: Tensor
     detached: Tensor
+
+
+class HoldsAModule(torch.nn.Module):
+    """A wrapper whose forward takes ``tokens`` and holds, as ``self.module``, a model whose forward
+    names ``input_ids``: only DDP's ``.module`` says what the called model takes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = TakesInputIds(**kwargs)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.module(input_ids=tokens)
+
+
+class TakesInputIds(torch.nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, vocab_size)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.embed(input_ids)

@@ -95,7 +95,8 @@ class CausalLm(Task):
         Hugging Face causal LM), with an all-true ``attention_mask`` where it names one: packed
         windows hold no padding, and a padded entry of the sampler is masked out of the loss."""
         inputs = batch["input"]
-        module = getattr(model, "module", model)  # DDP's forward takes *args, **kwargs
+        # DDP's own forward takes *args, **kwargs: the wrapped model's says what it names
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         if accepts(module, "input_ids"):
             mask = {"attention_mask": torch.ones_like(inputs)} if accepts(module, "attention_mask") else {}
             output = model(input_ids=inputs, **mask)

@@ -87,6 +87,12 @@ def test_a_tuple_is_refused_naming_its_type_and_what_the_task_needs(data: dict[s
         f"tensor, or an object or dict with a logits tensor)")
 
 
+def test_only_ddp_is_looked_through_for_the_keywords_forward_names(data: dict[str, str]) -> None:
+    """A wrapper holding its model as ``self.module`` was called with ``input_ids=``, which only
+    the inner model takes."""
+    check(config("causal_lm", data["causal_lm"], {"_target_": "model_helpers.HoldsAModule"}))
+
+
 def test_a_dict_output_trains_to_the_same_losses_as_the_tensor(rank: runtime.Runtime, data: dict[str, str],
                                                                tmp_path: Path) -> None:
     """The task's loss is computed from the logits either way: the same weights, the same losses."""
