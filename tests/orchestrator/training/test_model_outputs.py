@@ -117,7 +117,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 def gpt2(vocab_size, seq_len, wrap=False):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=32,
                                        n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0))
+                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
     return Logits(model) if wrap else model
 
 
