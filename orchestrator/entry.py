@@ -163,20 +163,19 @@ def _stat(option: str, text: str) -> os.stat_result | None:
 
 def existing_dir(option: str, text: str, what: str = "a directory") -> Path:
     """The directory ``text`` names, which must exist; PathError naming ``option`` otherwise."""
-    st = _stat(option, text)
-    if st is None:
-        raise PathError(f"{_named(option, text)} does not exist (give {what})")
-    if not stat.S_ISDIR(st.st_mode):
-        raise PathError(f"{_named(option, text)} is {_kind(st)}, not {what}")
-    return Path(text).expanduser().absolute()
+    return _existing(option, text, what, stat.S_ISDIR)
 
 
 def existing_file(option: str, text: str, what: str = "a file") -> Path:
     """The regular file ``text`` names, which must exist; PathError naming ``option`` otherwise."""
+    return _existing(option, text, what, stat.S_ISREG)
+
+
+def _existing(option: str, text: str, what: str, is_kind: Callable[[int], bool]) -> Path:
     st = _stat(option, text)
     if st is None:
         raise PathError(f"{_named(option, text)} does not exist (give {what})")
-    if not stat.S_ISREG(st.st_mode):
+    if not is_kind(st.st_mode):
         raise PathError(f"{_named(option, text)} is {_kind(st)}, not {what}")
     return Path(text).expanduser().absolute()
 
