@@ -26,8 +26,10 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import signal
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -245,16 +247,44 @@ def open_npy_dir(path: Path, field: str, num_workers: int,
         if num_workers <= 1:
             arrays: Iterator[np.ndarray] = (_load_npy(f) for f in files)
         else:
-            # fork: workers need nothing but numpy, and start in milliseconds. The pool is
-            # started here, before the progress bar exists, so no tqdm monitor thread is alive at
-            # fork time.
-            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(num_workers))
+            pool = worker_pool(stack, num_workers)
             arrays = pool.imap(_load_npy, files, chunksize=8)  # ordered
         if labels is None:
             return ({field: a} for a in arrays)
         return ({field: a, LABEL_FIELD: y} for a, y in zip(arrays, labels.values, strict=True))
 
     return Source("npy_dir", path, len(files), open_samples, lambda k: f"file {files[k]}")
+
+
+def worker_pool(stack: contextlib.ExitStack, num_workers: int) -> Any:
+    """A pool of reading processes, terminated with ``stack``. fork: workers need nothing but
+    numpy, and start in milliseconds; it is started before the progress bar exists, so no tqdm
+    monitor thread is alive at fork time. The workers are born with SIGTERM and SIGINT at their
+    defaults: a fork inherits the caller's Python handlers (a training loop's stop flag, a
+    program's own), and a worker that only records SIGTERM, or is stuck in a system call, outlives
+    the pool's terminate(), whose join then waits forever after a file fails to read (seen once in
+    the test suite: 600 s, then pytest-timeout)."""
+    with _default_signals_while_forking():
+        return stack.enter_context(multiprocessing.get_context("fork").Pool(
+            num_workers, initializer=_default_signals))
+
+
+@contextlib.contextmanager
+def _default_signals_while_forking() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal.signal works in the main thread only: the initializer does it in each worker
+        return
+    saved = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def _default_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def list_npy_files(path: Path) -> list[Path]:
@@ -464,7 +494,7 @@ def open_image_folder(path: Path, num_workers: int) -> Source:
         if num_workers <= 1:
             images: Iterator[np.ndarray] = (load_image(f) for f in files)
         else:  # decoding is the cost: several processes, in order, as for .npy directories
-            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(num_workers))
+            pool = worker_pool(stack, num_workers)
             images = pool.imap(load_image, files, chunksize=8)
         return _image_samples(images, items)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -268,6 +269,22 @@ def test_an_empty_npy_file_is_one_error_naming_it_and_publishes_nothing(npy_dir,
     with pytest.raises(DatasetError, match=r"s017\.npy: not a readable \.npy array \(EOFError"):
         prepare(_config(directory, tmp_path / "out", num_workers=num_workers))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]  # nothing published, no temp left
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_read_ends_the_pool_under_a_callers_own_sigterm_handler(npy_dir, tmp_path):
+    """The suite hung here for 600 s: a process that handles SIGTERM itself (a training loop's stop
+    flag, left by an earlier test in the same pytest worker) forked readers that only recorded the
+    pool's terminate(), and its join waited forever after a file failed to read."""
+    directory, _ = npy_dir
+    (directory / "s017.npy").write_bytes(b"")
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        with pytest.raises(DatasetError, match=r"s017\.npy: not a readable \.npy array"):
+            prepare(_config(directory, tmp_path / "out", num_workers=2))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]
 
 
 @pytest.mark.parametrize("make, kind", [(lambda p: p.mkdir(), "a directory"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,10 +50,33 @@ def test_cluster_up_is_idempotent_and_down_up_cycles() -> None:
 
     assert cli("up").returncode == 0  # already up: harmless
     assert cli("status").returncode == 0
+    # The test before this one ends when sacct says FAILED, while its job may still be COMPLETING:
+    # the controller would bring that job back after the cycle, its nodes alloc instead of idle.
+    assert wait_until(squeue_empty, 120), "jobs still in the queue before the cycle"
     down = cli("down")
     assert down.returncode == 0 and "slurmctld" in down.stdout
     stopped = cli("status")
     assert stopped.returncode == 3 and "slurmctld    stopped" in stopped.stdout
     up = cli("up")
     assert up.returncode == 0, up.stderr
-    assert "n1 debug* idle" in up.stdout and "n2 debug* idle" in up.stdout
+    assert "n1 debug* " in up.stdout and "n2 debug* " in up.stdout
+    assert wait_until(lambda: node_states() == {"n1": "idle", "n2": "idle"}, 60), node_states()
+
+
+def wait_until(ready: Callable[[], bool], limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def squeue_empty() -> bool:
+    proc = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return proc.returncode == 0 and not proc.stdout.strip()
+
+
+def node_states() -> dict[str, str]:
+    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
+    return dict(line.split() for line in proc.stdout.splitlines() if line.strip())
