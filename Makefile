@@ -38,10 +38,10 @@ typecheck: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Two workers: most of a test's time is spent waiting for the processes it starts, so a second one
-# keeps both cores busy; the SLURM tests stay on one worker (tests/conftest.py, --dist loadgroup).
-# --durations: the 25 slowest in every run, where the suite's time goes (docs/development.md).
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
+# One process by default: with two xdist workers (PYTEST_ARGS="-n 2 --dist loadgroup --durations=25")
+# the suite took 22 min instead of about 32, but a SLURM requeue test failed once under the other
+# worker's load (docs/development.md). --durations: the 25 slowest, where the suite's time goes.
+PYTEST_ARGS ?= --durations=25
 
 pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
