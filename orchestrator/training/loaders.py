@@ -79,7 +79,12 @@ class RankData:
         epoch = self.sampler.epoch
         while True:
             # within one epoch: reading ahead never crosses set_epoch
-            yield from to_device(self.loader, self.rt.device, self.task.fields())
+            for batch in to_device(self.loader, self.rt.device, self.task.fields()):
+                # counted in its own epoch as it is handed out: a step whose micro-batches straddle
+                # an epoch's end must not count the old epoch's batches into the new one, or a
+                # resume would skip samples that were never trained on
+                self.sampler.advance(len(batch["index"]))
+                yield batch
             epoch += 1
             self.sampler.set_epoch(epoch)
 

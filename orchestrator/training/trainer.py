@@ -111,8 +111,7 @@ class Trainer:
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
         self.mark("compute")
         sums = self.backward(batches)
-        self.counters.batches += len(batches)
-        self.data.sampler.advance(sum(len(b["index"]) for b in batches))
+        self.counters.batches += len(batches)  # the stream advanced the sampler as it handed them out
         if self.cfg.optim.clip_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
             # fsdp: the norm over every rank's shard (torch reduces it before scaling the shards)

@@ -193,3 +193,29 @@ def test_counts_since_step_0_on_the_same_world_size_and_on_another() -> None:
     thirds = [resume.carried_counts(old, 3, r) for r in range(3)]
     assert [c.samples for c in thirds] == [7, 6, 6] and sum(c.units for c in thirds) == 76
     assert {c.batches for c in thirds} == {3}
+
+
+def test_a_step_across_an_epochs_end_resumes_at_the_next_untrained_sample(
+        rank: runtime.Runtime, tmp_path: Path) -> None:
+    """7 batches an epoch, 2 micro-batches a step: step 4 trains the epoch's last batch and the next
+    epoch's first. The saved position must be one batch into the new epoch, not two (the whole step
+    counted there), or a resume skips a batch that was never trained on."""
+    path = write_rows_dataset(tmp_path / "d", 7 * 4, features=5, classes=3, max_rows=4)
+    paths = trainer.DataPaths(train=path, eval=None)
+    cfg = dataclasses.replace(config(paths, grad_accum_steps=2, max_steps=8), seed=1)
+
+    def run_of(name: str) -> trainer.Trainer:
+        (tmp_path / name).mkdir()
+        return trainer.Trainer(cfg, paths, tmp_path / name, rank)
+
+    straight = run_of("straight")
+    stream = straight.data.batches()
+    for _ in range(4):
+        straight.optimizer_step(stream)
+    saved = straight.data.sampler.state_dict()
+    assert (saved["epoch"], saved["segments"]) == (1, [[1, 4]])  # one batch of 4 into epoch 1
+
+    resumed = run_of("resumed")
+    resumed.data.sampler.load_state_dict(saved)
+    after_resume = [b["index"].tolist() for b, _ in zip(resumed.data.batches(), range(6), strict=False)]
+    assert after_resume == [next(stream)["index"].tolist() for _ in range(6)]
