@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,13 @@ MEMORY_OPTIONS = [
 ]
 
 
+STEPS = ("tests", "modes", "memory", "resume", "train_bench", "fsdp", "causal_lm", "telemetry")
+
+
 class Check:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, out: Path | None = None) -> None:
         self.tmp = tmp
+        self.out = out
         self.rows: list[tuple[str, str, str]] = []
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "PYTHONUNBUFFERED": "1"}
@@ -75,7 +80,13 @@ class Check:
             else None
         return proc, summary, run_dir
 
+    def keep(self, name: str, text: str) -> None:
+        """A whole log into --out (where given): the table holds one line of it."""
+        if self.out is not None:
+            (self.out / re.sub(r"[^\w.-]+", "-", name)).write_text(text)
+
     def failed(self, check: str, proc: subprocess.CompletedProcess[str]) -> None:
+        self.keep(f"{check}.log", proc.stdout + proc.stderr)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         self.row(check, "FAILED", f"exit {proc.returncode}: " + " / ".join(tail)[-300:])
 
@@ -86,9 +97,15 @@ def peak_gib(summary: dict[str, Any]) -> str:
 
 
 def gpu_tests(c: Check) -> None:
-    proc = c.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"])
-    last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-    c.row("gpu-marked tests", "ok" if proc.returncode == 0 else "FAILED", last)
+    """The gpu-marked tests, less the two that start the training job: the steps below run it."""
+    proc = c.run([sys.executable, "-m", "pytest", "-q", "-rf", "-m", "gpu", "tests/gpu",
+                  "-p", "no:cacheprovider",
+                  "-k", "not test_the_job_trains_on_the_gpu and not test_fsdp_trains_checkpoints"])
+    c.keep("gpu-tests.log", proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines() or ["no output"]
+    failed = [line.split(" - ")[0].removeprefix("FAILED ") for line in lines if line.startswith("FAILED ")]
+    c.row("gpu-marked tests", "ok" if proc.returncode == 0 else "FAILED",
+          lines[-1] + ("; failed: " + ", ".join(failed) if failed else ""))
 
 
 def modes(c: Check, gpus: int) -> None:
@@ -119,6 +136,16 @@ def rank0_line(run_dir: Path, proc: subprocess.CompletedProcess[str], prefix: st
     return lines[0] if lines else None
 
 
+def estimate_vs_peak(summary: dict[str, Any]) -> str:
+    """The estimate made before submission beside the measured peak: an estimate more than a few
+    percent under the peak would pass a job that does not fit."""
+    found = (summary.get("memory_estimate") or {}).get("estimate_bytes") or {}
+    peaks = [r["end"]["max_allocated_bytes"] for r in summary["memory"]["ranks"] if r.get("end")]
+    if not found.get("peak") or not peaks:
+        return "no estimate"
+    return f"estimate {found['peak'] / GIB:.2f} GiB = {found['peak'] / max(peaks):.2f} x measured"
+
+
 def memory_options(c: Check) -> None:
     for name, overrides in MEMORY_OPTIONS:
         proc, summary, _ = c.train(f"memory {name}", "cluster=local", "parallelism.gpus_per_node=1",
@@ -126,7 +153,8 @@ def memory_options(c: Check) -> None:
         if summary is None:
             c.failed(f"memory: {name}", proc)
         else:
-            c.row(f"memory: {name}", "ok", f"peak {peak_gib(summary)} (max_memory_allocated)")
+            c.row(f"memory: {name}", "ok", f"peak {peak_gib(summary)} (max_memory_allocated); "
+                  f"{estimate_vs_peak(summary)}")
 
 
 def resume(c: Check) -> None:
@@ -256,19 +284,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter benchmark (one repeat, 100 steps)")
+    parser.add_argument("--only", default=",".join(STEPS), metavar="STEP,...",
+                        help=f"the steps to run, in their order: {','.join(STEPS)} (default: all; the "
+                             "whole check takes about 15 minutes on one H100, so split it across calls "
+                             "where a call is limited)")
+    parser.add_argument("--out", type=Path, help="a folder for the whole log of each failed check")
     args = parser.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(STEPS))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: unknown step; choose from {','.join(STEPS)}")
     import torch
 
     if not torch.cuda.is_available():
         print("gpu-check: torch sees no CUDA device here; run it on a GPU node", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    steps: dict[str, Callable[[Check], None]] = {
+        "tests": gpu_tests, "modes": lambda c: modes(c, gpus), "memory": memory_options, "resume": resume,
+        "train_bench": lambda c: train_bench(c, args.quick), "fsdp": lambda c: fsdp(c, gpus),
+        "causal_lm": lambda c: causal_lm(c, gpus), "telemetry": lambda c: telemetry_cost(c, gpus)}
     with tempfile.TemporaryDirectory(prefix="switchyard-gpu-check-") as tmp:
-        c = Check(Path(tmp))
-        for step in (gpu_tests, lambda c: modes(c, gpus), memory_options, resume,
-                     lambda c: train_bench(c, args.quick), lambda c: fsdp(c, gpus),
-                     lambda c: causal_lm(c, gpus), lambda c: telemetry_cost(c, gpus)):
-            step(c)
+        c = Check(Path(tmp), args.out)
+        for name in STEPS:
+            if name in args.only.split(","):
+                started = time.perf_counter()
+                steps[name](c)
+                print(f"[gpu-check] step {name}: {time.perf_counter() - started:.0f} s", flush=True)
     print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}\n")
     print("| check | result | detail |\n|---|---|---|")
     for check, result, detail in c.rows:
