@@ -315,9 +315,11 @@ def _requeue_or_fail(result: RankResult, spec: CommandSpec, env: dist_env.DistEn
         raise CommandFailed(f"job {env.job_id}: the command {asked} again after {env.restart_count} "
                             f"requeues (cluster.max_requeues={spec.max_requeues}); raise "
                             f"cluster.max_requeues or cluster.timeout_min")
-    requeue(env.job_id)
-    print(f"switchyard: requeued job {env.job_id}: the command {asked} "
+    # Said first: SLURM stops every rank as soon as the requeue is taken, and on a loaded node
+    # that came before a line printed after ``scontrol`` returned.
+    print(f"switchyard: requeueing job {env.job_id}: the command {asked} "
           f"({env.restart_count + 1}/{spec.max_requeues} requeues)", flush=True)
+    requeue(env.job_id)
     raise rank_env.AttemptNotOver(0)
 
 

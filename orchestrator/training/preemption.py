@@ -98,9 +98,12 @@ def leave(reason: StopReason, env: DistEnv, max_requeues: int, step: int, checkp
                 f"{checkpoint_dir}. Raise cluster.max_requeues or cluster.timeout_min, or "
                 f"rerun with hydra.run.dir={run_dir} to continue.")
         if env.is_main:
-            requeue(env.job_id)
-            print(f"requeued job {env.job_id} at step {step} "
+            # Said first: SLURM stops every rank as soon as the requeue is taken (SIGTERM, then
+            # SIGKILL after its KillWait), and on a loaded node that came before a line printed
+            # after ``scontrol`` returned.
+            print(f"requeueing job {env.job_id} at step {step} "
                   f"({env.restart_count + 1}/{max_requeues} requeues)", flush=True)
+            requeue(env.job_id)
     elif env.is_main:
         print(f"stopped by {reason.name} at step {step}; checkpoint in {checkpoint_dir}", flush=True)
     raise JobStopped(-1, reason.name)

@@ -74,7 +74,7 @@ def test_signalled_job_is_requeued_and_ends_bit_identical(tmp_path: Path, uninte
     states = slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
     assert states[job_id] == "COMPLETED", all_logs(run_dir)[-3000:]
     logs = all_logs(run_dir)
-    assert f"requeued job {job_id}" in logs and "resumed from" in logs
+    assert f"requeueing job {job_id}" in logs and "resumed from" in logs
     resumed = summary(run_dir)
     assert resumed["steps"] == uninterrupted["steps"] == 120
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
@@ -149,7 +149,7 @@ def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path)
         subprocess.run(["scancel", job_id], capture_output=True)
     assert states[job_id] == "COMPLETED", all_logs(run_dir)[-3000:]
     logs = all_logs(run_dir)
-    assert f"requeued job {job_id}" in logs and "resumed from" in logs and ".dcp at step" in logs
+    assert f"requeueing job {job_id}" in logs and "resumed from" in logs and ".dcp at step" in logs
     resumed, uninterrupted = summary(run_dir), summary(tmp_path / "reference")
     assert resumed["steps"] == uninterrupted["steps"] == 60
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
@@ -184,7 +184,7 @@ def test_a_signal_with_dataloader_workers_stops_at_a_step_and_checkpoints(
         assert saved == [int(stop.group(1))] and not (run_dir / "summary.json").exists()
         return
     assert states[job_id] == "COMPLETED", logs[-3000:]
-    assert f"requeued job {job_id}" in logs and "resumed from" in logs
+    assert f"requeueing job {job_id}" in logs and "resumed from" in logs
     resumed = summary(run_dir)
     assert resumed["steps"] == (60 if strategy == "fsdp" else 120)
     if strategy == "ddp":  # workers change nothing of the order: the reference ran with none

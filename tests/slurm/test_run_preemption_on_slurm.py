@@ -58,7 +58,7 @@ def test_the_helper_checkpoints_on_sigusr2_and_the_job_is_requeued_and_resumes(
     states = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
     text = logs(run_dir)
     assert states[job_id] == "COMPLETED", text[-3000:]
-    assert f"switchyard: requeued job {job_id}: the command asked to be requeued" in text
+    assert f"switchyard: requeueing job {job_id}: the command asked to be requeued" in text
     for rank in (0, 1):
         saved = re.search(rf"rank {rank} checkpointed at step (\d+) \(time_limit\)", text)
         assert saved is not None, text[-3000:]
