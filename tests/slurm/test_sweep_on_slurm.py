@@ -186,6 +186,12 @@ def test_a_requeued_job_goes_back_to_the_queue_and_counts_its_requeue(tmp_path: 
         return row
 
     slurm_id = state_within(("RUNNING",), 60)[4]
+    # RUNNING is SLURM's word once the node has the job; on a loaded machine the requeue came
+    # before the app had started and written its run file, and the test saw one life, not two.
+    deadline = time.monotonic() + 120
+    while not ran(tmp_path, 1):
+        assert time.monotonic() < deadline, "the first life never started the app"
+        time.sleep(0.2)
     subprocess.run(["scontrol", "requeue", slurm_id], check=True)
     # The first life may finish its sleep after the requeue: it must not be recorded as the end.
     state_within(("PENDING",), 60)
