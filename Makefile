@@ -38,10 +38,10 @@ typecheck: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# One process by default: with two xdist workers (PYTEST_ARGS="-n 2 --dist loadgroup --durations=25")
-# the suite took 22 min instead of about 32, but a SLURM requeue test failed once under the other
-# worker's load (docs/development.md). --durations: the 25 slowest, where the suite's time goes.
-PYTEST_ARGS ?= --durations=25
+# Two pytest-xdist workers: the suite mostly waits for the processes it starts. Every slurm test is in
+# one group, run first on one worker; the other takes the rest a module at a time (tests/conftest.py,
+# docs/development.md). --durations: the 25 slowest, where the suite's time goes.
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 
 pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -197,6 +197,22 @@ def test_a_changed_checkpoint_is_skipped_on_the_terminal_and_in_the_summary(tmp_
     assert strict["final_train_loss"] is None and strict["resumed_from"]["step"] == 30
 
 
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:
+    """A crash cut the newest checkpoint short: the rerun in the same directory resumes from the one
+    before and says which it skipped (once a SLURM test: what it checks is the resume, not SLURM)."""
+    every = ["checkpoint.every_steps=10", "log_every_steps=5", *CHEAP]
+    first = train(tmp_path, *every, "optim.max_steps=20")
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*.pt"))
+    assert [p.name for p in checkpoints] == ["step-000000010.pt", "step-000000020.pt"]
+    checkpoints[-1].write_bytes(checkpoints[-1].read_bytes()[:1000])
+    again = train(tmp_path, *every, "optim.max_steps=30")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "warning: skipped unreadable checkpoint step-000000020.pt" in again.stderr
+    assert "checkpoints/step-000000010.pt at step 10" in again.stdout
+    assert read_summary(tmp_path / "run")["steps"] == 30
+
+
 def test_fixed_length_inputs_train_and_evaluate(tmp_path: Path) -> None:
     """Every sample 8 rows: the loader stacks x and makes no x_mask; the model sees all rows as real."""
     import numpy as np

@@ -57,33 +57,42 @@ def all_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob("*_log.*")))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
-    tmp_path = tmp_path_factory.mktemp("reference")
-    proc = train(tmp_path, "run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return summary(tmp_path / "run")
-
-
-def test_signalled_job_is_requeued_and_ends_bit_identical(tmp_path: Path, uninterrupted: dict) -> None:  # type: ignore[type-arg]
+def signalled_beside_a_reference(tmp_path: Path, queued: list[str], *overrides: str
+                                 ) -> tuple[str, dict, dict]:  # type: ignore[type-arg]
+    """A job signalled with USR2 at step 15 and requeued (data.num_workers=2, as on GPU nodes:
+    SLURM signals the forked workers too), beside the same run without workers nor signal, both
+    queued at once (the partition oversubscribes): (job id, its summary, the reference's)."""
+    reference = submit_without_waiting(tmp_path, "reference", *overrides)
+    queued.append(reference)
     run_dir = tmp_path / "run"
-    job_id = submit_without_waiting(tmp_path, "run")
+    job_id = submit_without_waiting(tmp_path, "run", "data.num_workers=2", *overrides)
+    queued.append(job_id)
     wait_for_step(run_dir, 15)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     release_requeue_hold(job_id)
-    states = slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
-    assert states[job_id] == "COMPLETED", all_logs(run_dir)[-3000:]
+    states = slurm_query.wait_for_terminal_states([job_id, reference], timeout_s=400)
     logs = all_logs(run_dir)
-    assert f"requeueing job {job_id}" in logs and "resumed from" in logs
-    resumed = summary(run_dir)
+    assert states == {job_id: "COMPLETED", reference: "COMPLETED"}, logs[-3000:]
+    assert "DataLoader worker" not in logs, logs[-3000:]
+    assert f"requeueing job {job_id}" in logs, logs[-3000:]
+    assert "resumed from" in logs, logs[-3000:]
+    return job_id, summary(run_dir), summary(tmp_path / "reference")
+
+
+def test_signalled_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued: list[str]) -> None:
+    """Before: with data.num_workers=2 a worker died of SIGTERM and the trainer raised
+    "DataLoader worker (pid N) is killed by signal: Terminated" with no checkpoint."""
+    _, resumed, uninterrupted = signalled_beside_a_reference(tmp_path, queued)
     assert resumed["steps"] == uninterrupted["steps"] == 120
+    # workers change nothing of the order: the reference ran with none
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
     assert resumed["samples_per_rank"] == uninterrupted["samples_per_rank"]
 
 
-def test_requeue_cap_stops_cleanly(tmp_path: Path) -> None:
+def test_requeue_cap_stops_cleanly(tmp_path: Path, queued: list[str]) -> None:
     run_dir = tmp_path / "run"
     job_id = submit_without_waiting(tmp_path, "run", "cluster.max_requeues=0")
+    queued.append(job_id)
     wait_for_step(run_dir, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     states = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
@@ -93,10 +102,11 @@ def test_requeue_cap_stops_cleanly(tmp_path: Path) -> None:
     assert list((run_dir / "checkpoints").glob("step-*.pt")), "the checkpoint must be written first"
 
 
-def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path) -> None:
+def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path, queued: list[str]) -> None:
     run_dir = tmp_path / "run"
     job_id = submit_without_waiting(tmp_path, "run", "optim.max_steps=100000",
                                     "cluster.collective_timeout_s=900")
+    queued.append(job_id)
     wait_for_step(run_dir, 5)
     banner = re.search(r"switchyard: rank 2/4 on node (\S+) .*pid (\d+)\)", all_logs(run_dir))
     assert banner is not None
@@ -117,75 +127,35 @@ def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path) -> N
     assert f"rank 2 on node {banner.group(1)}" in str(info.value)
 
 
-def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:
-    first = train(tmp_path, "run", "optim.max_steps=20", "checkpoint.every_steps=10", "log_every_steps=5")
-    assert first.returncode == 0, first.stderr[-3000:]
-    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*.pt"))
-    assert [p.name for p in checkpoints] == ["step-000000010.pt", "step-000000020.pt"]
-    checkpoints[-1].write_bytes(checkpoints[-1].read_bytes()[:1000])  # truncated by a crash
-
-    again = train(tmp_path, "run", "optim.max_steps=30", "checkpoint.every_steps=10", "log_every_steps=5")
-    assert again.returncode == 0, again.stderr[-3000:]
-    logs = all_logs(tmp_path / "run")
-    assert "skipped unreadable checkpoint step-000000020.pt" in logs
-    assert "resumed from" in logs and "at step 10" in logs
-    assert summary(tmp_path / "run")["steps"] == 30
-
-
-def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path) -> None:
+def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued: list[str]) -> None:
     """fsdp under SLURM's time-limit signal: every rank writes its shard, rank 0 requeues, and the
     job resumed from the sharded checkpoint ends with the weights of a run never interrupted."""
-    fsdp = ["parallelism.strategy=fsdp", "optim.max_steps=60"]
-    reference = train(tmp_path, "reference", *fsdp)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    run_dir = tmp_path / "run"
-    job_id = submit_without_waiting(tmp_path, "run", *fsdp)
-    try:
-        wait_for_step(run_dir, 15)
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-        release_requeue_hold(job_id)
-        states = slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
-    assert states[job_id] == "COMPLETED", all_logs(run_dir)[-3000:]
-    logs = all_logs(run_dir)
-    assert f"requeueing job {job_id}" in logs and "resumed from" in logs and ".dcp at step" in logs
-    resumed, uninterrupted = summary(run_dir), summary(tmp_path / "reference")
+    _, resumed, uninterrupted = signalled_beside_a_reference(
+        tmp_path, queued, "parallelism.strategy=fsdp", "optim.max_steps=60")
+    assert ".dcp at step" in all_logs(tmp_path / "run")
     assert resumed["steps"] == uninterrupted["steps"] == 60
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
     assert resumed["samples_per_rank"] == uninterrupted["samples_per_rank"]
 
 
-@pytest.mark.parametrize(("strategy", "sig"), [("ddp", "TERM"), ("ddp", "USR2"), ("fsdp", "TERM"),
-                                               ("fsdp", "USR2")])
-def test_a_signal_with_dataloader_workers_stops_at_a_step_and_checkpoints(
-        tmp_path: Path, uninterrupted: dict, strategy: str, sig: str) -> None:  # type: ignore[type-arg]
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_sigterm_with_dataloader_workers_stops_at_a_step_and_checkpoints(
+        tmp_path: Path, queued: list[str], strategy: str) -> None:
     """data.num_workers=2, as on GPU nodes. SLURM signals every process of the step, the forked
     workers too. Before: a worker died of SIGTERM and the trainer raised "DataLoader worker (pid N)
-    is killed by signal: Terminated" with no checkpoint, and sacct said FAILED."""
+    is killed by signal: Terminated" with no checkpoint, and sacct said FAILED. (USR2 with workers:
+    the two bit-identical requeue tests above.)"""
     run_dir = tmp_path / "run"
     extra = ["parallelism.strategy=fsdp", "optim.max_steps=60"] if strategy == "fsdp" else []
     job_id = submit_without_waiting(tmp_path, "run", "data.num_workers=2", *extra)
-    try:
-        wait_for_step(run_dir, 15)
-        subprocess.run(["scancel", f"--signal={sig}", job_id], check=True)
-        if sig == "USR2":
-            release_requeue_hold(job_id)
-        states = slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
+    queued.append(job_id)
+    wait_for_step(run_dir, 15)
+    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+    slurm_query.wait_for_terminal_states([job_id], timeout_s=400)
     logs = all_logs(run_dir)
     assert "DataLoader worker" not in logs, logs[-3000:]
-    if sig == "TERM":
-        stop = re.search(r"stopped by PREEMPTED at step (\d+); checkpoint in", logs)
-        assert stop is not None, logs[-3000:]
-        kind = ".dcp" if strategy == "fsdp" else ".pt"
-        saved = [int(p.name[5:14]) for p in (run_dir / "checkpoints").glob(f"step-*{kind}")]
-        assert saved == [int(stop.group(1))] and not (run_dir / "summary.json").exists()
-        return
-    assert states[job_id] == "COMPLETED", logs[-3000:]
-    assert f"requeueing job {job_id}" in logs and "resumed from" in logs
-    resumed = summary(run_dir)
-    assert resumed["steps"] == (60 if strategy == "fsdp" else 120)
-    if strategy == "ddp":  # workers change nothing of the order: the reference ran with none
-        assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
+    stop = re.search(r"stopped by PREEMPTED at step (\d+); checkpoint in", logs)
+    assert stop is not None, logs[-3000:]
+    kind = ".dcp" if strategy == "fsdp" else ".pt"
+    saved = [int(p.name[5:14]) for p in (run_dir / "checkpoints").glob(f"step-*{kind}")]
+    assert saved == [int(stop.group(1))] and not (run_dir / "summary.json").exists()
