@@ -64,15 +64,19 @@ def isolated_hydra_version_base() -> Iterator[None]:
     VersionBase.set_instance(saved)
 
 
+def queues_jobs(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slurm") is not None and item.get_closest_marker("queues_nothing") is None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The SLURM tests first, all in one pytest-xdist group: under ``--dist loadgroup`` one worker
-    runs them one after another (the two nodes hold one test's jobs at a time, as without xdist)
-    from the start, while the other workers take the rest a module at a time, so a module-scoped
-    fixture runs once."""
+    """The SLURM tests that queue jobs first, all in one pytest-xdist group: under ``--dist
+    loadgroup`` one worker runs them one after another (the two nodes hold one test's jobs at a
+    time, as without xdist) from the start, while the other workers take the rest a module at a
+    time, so a module-scoped fixture runs once. A SLURM test marked ``queues_nothing`` only asks the
+    cluster (or is refused before sbatch): it goes with the rest, off the slurm group's worker."""
     for item in items:
-        on_slurm = item.get_closest_marker("slurm") is not None
-        if on_slurm:
+        if item.get_closest_marker("slurm") is not None:
             item.fixturenames.insert(0, "slurm_cluster")  # type: ignore[attr-defined]
-        item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm else item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: in order otherwise
+        item.add_marker(pytest.mark.xdist_group("slurm" if queues_jobs(item) else item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: not queues_jobs(item))  # stable: in order otherwise
 

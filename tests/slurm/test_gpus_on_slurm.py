@@ -68,6 +68,7 @@ def test_one_gpu_bound_per_task_is_used_as_cuda0(tmp_path: Path) -> None:
     assert [r["nvml"] for r in ranks] == [0, 1, 0, 1]  # and it is a different GPU for each
 
 
+@pytest.mark.queues_nothing
 def test_more_gpus_than_a_node_has_are_refused_at_once() -> None:
     proc = subprocess.run(["srun", "-N1", f"--gpus-per-node={GPUS_PER_NODE + 1}", "true"],
                           capture_output=True, text=True, timeout=60)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.queues_nothing]  # dry runs and refusals
 
 SMALL = ["model=transformer", "data.demo_num_samples=256", "data.batch_size=32", "telemetry.enabled=false"]
 

@@ -169,6 +169,7 @@ def test_dry_run_prints_the_sbatch_script_and_queues_nothing(
     assert "no sweeps recorded" in switchyard(registry, tmp_path, "status").stdout
 
 
+@pytest.mark.queues_nothing
 def test_a_request_slurm_would_never_start_is_refused_naming_the_key(
         tmp_path: Path, registry: dict[str, str]) -> None:
     (tmp_path / "ddp.py").write_text(DDP_SCRIPT)

@@ -71,6 +71,7 @@ def test_more_points_than_max_array_size_run_as_two_arrays(tmp_path: Path, job_n
     assert sorted(p.name.split("-")[1] for p in (tmp_path / "out").glob("ran-*")) == ["1", "2", "3", "4", "5"]
 
 
+@pytest.mark.queues_nothing
 def test_a_sweep_past_max_job_count_is_refused_and_queues_nothing(tmp_path: Path, job_name: str) -> None:
     sweep_probe.write_app(tmp_path, launcher="switchyard_slurm", label="full",
                           launcher_settings={"timeout_min": 2, "job_name": job_name})

@@ -136,6 +136,7 @@ def test_the_issue_command_trains_every_point_and_status_shows_progress(tmp_path
     assert "switchyard: rank 1/2 on node n" in logs
 
 
+@pytest.mark.queues_nothing
 def test_bad_input_fails_at_submission_naming_the_point_and_queues_nothing(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "jobs.train", "-m", "cluster=slurm", *TRAIN_SMALL,
             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'multirun'}",
