@@ -58,10 +58,10 @@ def all_logs(run_dir: Path) -> str:
 
 
 def signalled_beside_a_reference(tmp_path: Path, queued: list[str], *overrides: str
-                                 ) -> tuple[str, dict, dict]:  # type: ignore[type-arg]
+                                 ) -> tuple[dict, dict]:  # type: ignore[type-arg]
     """A job signalled with USR2 at step 15 and requeued (data.num_workers=2, as on GPU nodes:
     SLURM signals the forked workers too), beside the same run without workers nor signal, both
-    queued at once (the partition oversubscribes): (job id, its summary, the reference's)."""
+    queued at once (the partition oversubscribes): (its summary, the reference's)."""
     reference = submit_without_waiting(tmp_path, "reference", *overrides)
     queued.append(reference)
     run_dir = tmp_path / "run"
@@ -76,13 +76,13 @@ def signalled_beside_a_reference(tmp_path: Path, queued: list[str], *overrides: 
     assert "DataLoader worker" not in logs, logs[-3000:]
     assert f"requeueing job {job_id}" in logs, logs[-3000:]
     assert "resumed from" in logs, logs[-3000:]
-    return job_id, summary(run_dir), summary(tmp_path / "reference")
+    return summary(run_dir), summary(tmp_path / "reference")
 
 
 def test_signalled_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued: list[str]) -> None:
     """Before: with data.num_workers=2 a worker died of SIGTERM and the trainer raised
     "DataLoader worker (pid N) is killed by signal: Terminated" with no checkpoint."""
-    _, resumed, uninterrupted = signalled_beside_a_reference(tmp_path, queued)
+    resumed, uninterrupted = signalled_beside_a_reference(tmp_path, queued)
     assert resumed["steps"] == uninterrupted["steps"] == 120
     # workers change nothing of the order: the reference ran with none
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
@@ -130,7 +130,7 @@ def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path, queu
 def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued: list[str]) -> None:
     """fsdp under SLURM's time-limit signal: every rank writes its shard, rank 0 requeues, and the
     job resumed from the sharded checkpoint ends with the weights of a run never interrupted."""
-    _, resumed, uninterrupted = signalled_beside_a_reference(
+    resumed, uninterrupted = signalled_beside_a_reference(
         tmp_path, queued, "parallelism.strategy=fsdp", "optim.max_steps=60")
     assert ".dcp at step" in all_logs(tmp_path / "run")
     assert resumed["steps"] == uninterrupted["steps"] == 60
