@@ -1,0 +1,211 @@
+"""``container=pyxis|apptainer``: the ranks of a SLURM job run inside an image.
+
+One place turns a ``ContainerConfig`` into the job's command line, so the dry run shows what is
+submitted:
+
+- pyxis: ``srun --container-image=IMAGE --container-mounts=... --container-workdir=...
+  --container-env=... --no-container-mount-home --container-name=...`` (srun arguments), and
+  the image's ``python`` runs the rank;
+- apptainer: the rank's Python is ``apptainer exec --nv --bind ... IMAGE python``.
+
+The mounts follow from the config (``mounts``): the code snapshot, the run directory, the
+submitting directory and every path the job names are bound at the same path inside, so no path
+differs between the submitting machine and the ranks. Switchyard itself imports inside the image
+from its snapshot, which is put first on ``PYTHONPATH`` (``snapshot.setup_lines``): the image needs
+Python, torch and Switchyard's dependencies, not Switchyard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import ConfigError, ContainerConfig, invalid
+
+# Variables the batch script sets for the ranks (``snapshot.setup_lines``): pyxis gives the image's
+# own value precedence unless named in --container-env.
+PASSED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "SWITCHYARD_SNAPSHOT")
+# The Python that runs inside the image: the image's own, found on its PATH.
+IMAGE_PYTHON = "python"
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: Path  # on the node
+    target: str  # inside the container
+    read_only: bool = False
+    why: str = ""  # the config key it comes from, for errors
+
+    def spec(self) -> str:
+        return f"{self.source}:{self.target}{':ro' if self.read_only else ''}"
+
+
+def needed(paths: Iterable[tuple[str, str | Path | None]]) -> list[Mount]:
+    """``(config key, path)`` pairs -> the mounts the job needs, each at its own path inside. A
+    path not there yet is mounted through its nearest existing parent; a path inside another
+    one's mount is left to that mount."""
+    found: list[Mount] = []
+    for why, path in paths:
+        if path is None or str(path) == "":
+            continue
+        where = Path(os.path.abspath(Path(path).expanduser()))
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        found.append(Mount(where, str(where), why=why))
+    kept: list[Mount] = []
+    for m in sorted(found, key=lambda m: len(m.source.parts)):
+        if not any(m.source == k.source or k.source in m.source.parents for k in kept):
+            kept.append(m)
+    return kept
+
+
+def user_mounts(container: ContainerConfig) -> list[Mount]:
+    """``cluster.container.mounts``: ``SRC``, ``SRC:DST`` or ``SRC:DST:ro``."""
+    found = []
+    for i, spec in enumerate(container.mounts):
+        parts = spec.split(":")
+        key = f"cluster.container.mounts[{i}]"
+        if not 1 <= len(parts) <= 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")) or not parts[0]:
+            raise invalid(key, spec, "a mount is SRC, SRC:DST or SRC:DST:ro", f"{key}=/data:/data:ro")
+        source = Path(os.path.abspath(Path(parts[0]).expanduser()))
+        target = parts[1] if len(parts) > 1 and parts[1] else str(source)
+        if not target.startswith("/"):
+            raise invalid(key, spec, f"the target {target!r} is not an absolute path",
+                          f"{key}={parts[0]}:/{target.lstrip('./')}")
+        found.append(Mount(source, target, len(parts) == 3 and parts[2] == "ro", key))
+    return found
+
+
+def all_mounts(container: ContainerConfig, derived: Sequence[Mount]) -> list[Mount]:
+    """The derived mounts, then the user's, refused (``ConfigError``) when a user mount's source is
+    missing or its target hides a path the job needs."""
+    extra = user_mounts(container)
+    for m in extra:
+        if not m.source.exists():
+            raise invalid(m.why, container.mounts[int(m.why.split("[")[1][:-1])],
+                          f"its source {m.source} does not exist on this machine (the nodes would "
+                          "fail to mount it)", f"{m.why}=<an existing path>")
+        for d in derived:
+            target = Path(m.target)
+            if m.source != target and (target == Path(d.target) or target in Path(d.target).parents):
+                raise invalid(m.why, container.mounts[int(m.why.split("[")[1][:-1])],
+                              f"its target {m.target} would hide {d.target}, which the job needs "
+                              f"({d.why}) under {m.source}'s files",
+                              f"{m.why}={m.source}:<a target outside {d.target}>")
+    return [*derived, *(m for m in extra if m not in derived)]
+
+
+def container_name(run_dir: Path) -> str:
+    """pyxis's name for the imported image: the same for every attempt of one run, so a requeue
+    finds it on the node instead of importing it again."""
+    return "switchyard-" + hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:12]
+
+
+def srun_args(container: ContainerConfig, mounts: Sequence[Mount], run_dir: Path) -> list[str]:
+    """pyxis's srun arguments (none for another runtime)."""
+    if container.runtime != "pyxis":
+        return []
+    args = [f"--container-image={container.image}",
+            f"--container-mounts={','.join(m.spec() for m in mounts)}",
+            f"--container-workdir={container.workdir or os.getcwd()}",
+            f"--container-env={','.join(dict.fromkeys([*PASSED_ENV, *container.env]))}",
+            f"--container-name={container_name(run_dir)}"]
+    args.append("--container-mount-home" if container.mount_home else "--no-container-mount-home")
+    args.append("--container-writable" if container.writable else "--container-readonly")
+    return args
+
+
+def python(container: ContainerConfig, mounts: Sequence[Mount], gpus_per_node: int) -> str | None:
+    """The command that runs a rank's Python: None (the submitting machine's) without a container."""
+    if container.runtime == "none":
+        return None
+    if container.runtime == "pyxis":
+        return IMAGE_PYTHON
+    argv = ["apptainer", "exec"]
+    if gpus_per_node > 0 and (container.nv or container.rocm):
+        argv.append("--rocm" if container.rocm else "--nv")
+    if not container.mount_home:
+        argv.append("--no-home")
+    if container.writable:
+        argv.append("--writable-tmpfs")
+    for name in container.env:  # apptainer passes the environment on; these override the image's
+        argv += ["--env", f"{name}=${{{name}}}"]
+    argv += ["--bind", ",".join(m.spec() for m in mounts), "--pwd", container.workdir or os.getcwd(),
+             str(container.image), IMAGE_PYTHON]
+    return " ".join(a if a.startswith("--env") or "${" in a else shlex.quote(a) for a in argv)
+
+
+def is_local_file(image: str) -> bool:
+    return "://" not in image and "#" not in image and (
+        image.startswith(("/", "./", "~")) or image.endswith((".sif", ".sqsh", ".squashfs", ".img")))
+
+
+def check(container: ContainerConfig, dry_run: bool = False, srun_help: str | None = None) -> list[str]:
+    """Refuse (``ConfigError``) what would fail on every node; returns warnings to print. A dry run
+    only warns where the submitting machine lacks the runtime (its script is what is looked at)."""
+    if container.runtime == "none":
+        return []
+    image = str(container.image)
+    if is_local_file(image) and not Path(image).expanduser().is_file():
+        example = "/images/torch.sif" if container.runtime == "apptainer" else "/images/torch.sqsh"
+        raise invalid("cluster.container.image", image, "no such file on this machine",
+                      f"cluster.container.image=<an existing image file, e.g. {example}>")
+    warnings = []
+    if container.runtime == "pyxis":
+        text = srun_help if srun_help is not None else _srun_help()
+        if "--container-image" not in text:
+            why = ("this cluster's srun has no --container-image option: pyxis (the SLURM plugin "
+                   "behind container=pyxis) is not installed")
+            if not dry_run:
+                raise invalid("container", "pyxis", why, "container=apptainer, or a cluster with pyxis")
+            warnings.append(f"container=pyxis: {why}; the script below would fail on it")
+    if container.runtime == "apptainer" and not (shutil.which("apptainer") or shutil.which("singularity")):
+        warnings.append("container=apptainer: neither apptainer nor singularity is on this machine's "
+                        "PATH; the job needs it on the nodes' PATH")
+    return warnings
+
+
+def _srun_help() -> str:
+    try:
+        return subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"container=pyxis needs srun to check for pyxis, which cannot run here "
+                          f"({e}): submit from a SLURM login node") from e
+
+
+def identity(container: ContainerConfig) -> dict[str, str | None] | None:
+    """What provenance records of the image: its runtime, name and its file's sha256 (a local file)
+    or the digest in its URI; None without a container."""
+    if container.runtime == "none":
+        return None
+    image = str(container.image)
+    digest = None
+    if is_local_file(image):
+        h = hashlib.sha256()
+        with open(Path(image).expanduser(), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        digest = f"sha256:{h.hexdigest()}"
+    elif "@sha256:" in image:
+        digest = image[image.index("@") + 1:]
+    return {"runtime": container.runtime, "image": image, "digest": digest}
+
+
+def describe(found: dict[str, str | None] | None) -> str:
+    """One line: the image a run used."""
+    if not found:
+        return "none (the nodes' own Python)"
+    digest = found.get("digest") or "no digest (a tag can move: pin IMAGE@sha256:...)"
+    return f"{found.get('image')} ({found.get('runtime')}, {digest})"
+
+
+def warn(lines: Iterable[str]) -> None:
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr)

@@ -1,0 +1,141 @@
+"""``container=pyxis|apptainer``: the srun line in the script the dry run prints (which is the one
+submitted: ``submit.sbatch_script`` renders the executor's own), the mounts derived from the config,
+and the refusals before submission. The run through a real (stand-in) runtime on the local SLURM
+cluster is in tests/slurm/test_container_job.py."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from jobs.train import container_paths, load_config
+from orchestrator.config import (
+    ClusterConfig,
+    ConfigError,
+    ContainerConfig,
+    ParallelismConfig,
+    register_configs,
+)
+from orchestrator.launch import container, submit
+from orchestrator.training import trainer
+
+register_configs()
+
+
+def srun_line(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
+              paths: list[tuple[str, str | Path | None]] = ()) -> list[str]:  # type: ignore[assignment]
+    executor = submit.make_executor(cluster, parallelism, run_dir / "submitit", None, paths)
+    [line] = [line for line in submit.sbatch_script(executor).splitlines() if line.startswith("srun ")]
+    return shlex.split(line)
+
+
+def slurm(box: ContainerConfig) -> ClusterConfig:
+    return ClusterConfig(mode="slurm", dry_run=True, container=box)
+
+
+def test_pyxis_puts_the_image_mounts_and_a_per_run_name_on_srun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    box = ContainerConfig(runtime="pyxis", image="nvcr.io#nvidia/pytorch:24.05-py3", env=["HF_TOKEN"])
+    argv = srun_line(slurm(box), ParallelismConfig(nodes=2, gpus_per_node=8), tmp_path / "run",
+                     [("data.path", data)])
+    assert "warning: container=pyxis: this cluster's srun has no --container-image" in capsys.readouterr().err
+    start = argv.index("--kill-on-bad-exit=1") + 1
+    assert argv[start:] == [
+        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+        # the submitting directory holds the run and the data here: one mount covers them
+        f"--container-mounts={tmp_path}:{tmp_path}",
+        f"--container-workdir={tmp_path}",
+        "--container-env=PYTHONPATH,PYTHONSAFEPATH,SWITCHYARD_SNAPSHOT,HF_TOKEN",
+        f"--container-name={container.container_name(tmp_path / 'run')}",
+        "--no-container-mount-home", "--container-readonly",
+        "python", "-u", "-m", "submitit.core._submit", str(tmp_path / "run" / "submitit")]
+    # a requeue (the same run directory) names the same container: pyxis imports the image once
+    assert container.container_name(tmp_path / "run") == container.container_name(tmp_path / "run")
+    assert container.container_name(tmp_path / "run") != container.container_name(tmp_path / "other")
+
+
+@pytest.mark.parametrize("gpus, flag", [(8, ["--nv"]), (0, [])])
+def test_apptainer_runs_the_images_python_with_nv_on_gpu_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              gpus: int, flag: list[str]) -> None:
+    cwd, data, image = tmp_path / "code", tmp_path / "data", tmp_path / "torch.sif"
+    for d in (cwd, data, tmp_path / "run"):
+        d.mkdir()
+    image.write_bytes(b"sif")
+    monkeypatch.chdir(cwd)
+    box = ContainerConfig(runtime="apptainer", image=str(image), mounts=[f"{tmp_path}/data:/ro:ro"])
+    argv = srun_line(slurm(box), ParallelismConfig(gpus_per_node=gpus), tmp_path / "run",
+                     [("data.path", data / "train"), ("checkpoint.dir", None)])
+    start = argv.index("--kill-on-bad-exit=1") + 1
+    binds = argv[start + 4 + len(flag)].split(",")
+    assert sorted(binds[:3]) == sorted(f"{p}:{p}" for p in (cwd, data, tmp_path / "run"))
+    assert binds[3:] == [f"{data}:/ro:ro"]  # the user's, after the derived ones
+    assert argv[start:] == ["apptainer", "exec", *flag, "--no-home", "--bind", ",".join(binds),
+                            "--pwd", str(cwd), str(image), "python", "-u", "-m", "submitit.core._submit",
+                            str(tmp_path / "run" / "submitit")]
+
+
+def test_every_path_the_train_config_names_is_mounted(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    places = {k: tmp_path / k for k in ("train", "eval", "cache", "ckpt", "elsewhere")}
+    for p in places.values():
+        p.mkdir()
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"sif")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = load_config(compose(config_name="train", overrides=[
+            "cluster=slurm", "container=apptainer", f"cluster.container.image={image}",
+            f"data.cache_dir={places['cache']}", f"checkpoint.dir={places['ckpt']}/new"]))
+    paths = trainer.DataPaths(train=str(places["train"]), eval=str(places["eval"]))  # data.path, eval_path
+    wanted = container_paths(cfg, paths, tmp_path / "run")
+    assert (places["ckpt"] / "new").is_dir()  # made, so it can be mounted
+    assert {key for key, _ in wanted} >= {"data.path", "data.eval_path", "data.cache_dir", "checkpoint.dir"}
+    monkeypatch.chdir(places["elsewhere"])  # the cwd no longer covers them: each is its own mount
+    mounts = container.needed(wanted)
+    assert {m.target for m in mounts} == {str(places[k]) for k in ("train", "eval", "cache")} | {
+        str(places["ckpt"] / "new")}
+
+
+def refused(box: ContainerConfig, derived: list[container.Mount] = (), srun_help: str = "") -> str:  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as e:
+        container.check(box, srun_help=srun_help)
+        container.all_mounts(box, derived)
+    return str(e.value)
+
+
+def test_bad_container_values_are_refused_before_submission(tmp_path: Path) -> None:
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"sif")
+    assert refused(ContainerConfig(runtime="apptainer", image=str(tmp_path / "gone.sif"))).startswith(
+        f"cluster.container.image='{tmp_path}/gone.sif' is invalid: no such file on this machine")
+    assert "srun has no --container-image option: pyxis" in refused(
+        ContainerConfig(runtime="pyxis", image="ubuntu:24.04"), srun_help="Usage: srun [OPTIONS...]")
+    assert "its source /nonexistent does not exist" in refused(
+        ContainerConfig(runtime="apptainer", image=str(image), mounts=["/nonexistent:/x"]))
+    data = container.Mount(tmp_path / "data", str(tmp_path / "data"), why="data.path")
+    said = refused(ContainerConfig(runtime="apptainer", image=str(image), mounts=[f"{image}:{tmp_path}"]),
+                   [data])
+    assert f"its target {tmp_path} would hide {tmp_path}/data, which the job needs (data.path)" in said
+    for bad in ("/x;rm -rf ~", "$(id)", "a b", "#x"):
+        with pytest.raises(ConfigError, match=r"shell metacharacters are refused"):
+            ContainerConfig(runtime="apptainer", image=bad)
+    with pytest.raises(ConfigError, match=r"env\[0\]='A=1' is invalid: a variable name"):
+        ContainerConfig(runtime="pyxis", image="ubuntu", env=["A=1"])
+    with pytest.raises(ConfigError, match=r"container='apptainer' is invalid: a container runs the ranks "
+                                          r"of a SLURM job.*\(try cluster=slurm\)"):
+        ClusterConfig(mode="local", container=ContainerConfig(runtime="apptainer", image="x"))
+
+
+def test_a_missing_apptainer_is_a_warning_not_a_refusal(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submitting machine may lack it where the nodes have it."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    box = ContainerConfig(runtime="apptainer", image="docker://python:3.12")
+    assert container.check(box) == ["container=apptainer: neither apptainer nor singularity is on this "
+                                    "machine's PATH; the job needs it on the nodes' PATH"]
