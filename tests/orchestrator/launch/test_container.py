@@ -5,6 +5,8 @@ cluster is in tests/slurm/test_container_job.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import shlex
 from pathlib import Path
 
@@ -139,3 +141,30 @@ def test_a_missing_apptainer_is_a_warning_not_a_refusal(tmp_path: Path,
     box = ContainerConfig(runtime="apptainer", image="docker://python:3.12")
     assert container.check(box) == ["container=apptainer: neither apptainer nor singularity is on this "
                                     "machine's PATH; the job needs it on the nodes' PATH"]
+
+
+def test_provenance_names_the_image_and_a_resume_under_another_is_refused(tmp_path: Path) -> None:
+    from orchestrator.launch import provenance
+    from orchestrator.training import resume
+    from orchestrator.training.checkpoint import CheckpointError
+
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"one image")
+    box = ContainerConfig(runtime="apptainer", image=str(image))
+    cluster = ClusterConfig(mode="slurm", container=box, snapshot=dataclasses.replace(
+        ClusterConfig().snapshot, enabled=False))
+    run = tmp_path / "run"
+    run.mkdir()
+    provenance.at_submission(cluster, [], run, "config: 1")
+    recorded = provenance.read(run)
+    digest = "sha256:" + hashlib.sha256(b"one image").hexdigest()
+    assert recorded is not None and recorded["image"] == {"runtime": "apptainer", "image": str(image),
+                                                          "digest": digest}
+    assert f"image: {image} (apptainer, {digest})" in provenance.lines(recorded)  # switchyard show
+    saved = provenance.for_checkpoint(run)
+    assert resume.check_code(saved, run / "step-1.pt", False, run) is None
+    image.write_bytes(b"another image")  # resubmitted under a rebuilt image
+    provenance.at_submission(cluster, [], run, "config: 1")
+    with pytest.raises(CheckpointError, match=rf"container image {digest} -> sha256:"):
+        resume.check_code(saved, run / "step-1.pt", False, run)
+    assert resume.check_code(saved, run / "step-1.pt", True, run) is not None  # allow_code_change
