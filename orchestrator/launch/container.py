@@ -17,6 +17,7 @@ Python, torch and Switchyard's dependencies, not Switchyard.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shlex
@@ -188,14 +189,23 @@ def identity(container: ContainerConfig) -> dict[str, str | None] | None:
     image = str(container.image)
     digest = None
     if is_local_file(image):
-        h = hashlib.sha256()
-        with open(Path(image).expanduser(), "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        digest = f"sha256:{h.hexdigest()}"
+        path = Path(image).expanduser().absolute()
+        stat = path.stat()
+        digest = file_digest(path, stat.st_size, stat.st_mtime_ns)
     elif "@sha256:" in image:
         digest = image[image.index("@") + 1:]
     return {"runtime": container.runtime, "image": image, "digest": digest}
+
+
+@functools.lru_cache(maxsize=16)
+def file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """An image file's sha256, read once per submission for all the points of a sweep (the size
+    and time of last change are part of the key: a rebuilt image is read again)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"sha256:{h.hexdigest()}"
 
 
 def describe(found: dict[str, str | None] | None) -> str:

@@ -168,3 +168,28 @@ def test_provenance_names_the_image_and_a_resume_under_another_is_refused(tmp_pa
     with pytest.raises(CheckpointError, match=rf"container image {digest} -> sha256:"):
         resume.check_code(saved, run / "step-1.pt", False, run)
     assert resume.check_code(saved, run / "step-1.pt", True, run) is not None  # allow_code_change
+
+
+def test_a_sweeps_points_share_one_array_with_the_sweep_dir_and_their_data_mounted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omegaconf import OmegaConf
+
+    from orchestrator.sweeps.arrays import Resources
+    from orchestrator.sweeps.points import Point, add_containers
+
+    monkeypatch.chdir(tmp_path)
+    image, sweep = tmp_path / "torch.sif", tmp_path / "multirun"
+    data = tmp_path.parent / f"{tmp_path.name}-data"
+    image.write_bytes(b"sif")
+    data.mkdir(exist_ok=True)
+    cluster = ClusterConfig(mode="slurm", container=ContainerConfig(runtime="apptainer", image=str(image)))
+    resources = Resources("slurm", submit.slurm_parameters(cluster, ParallelismConfig()), 3, 10, "cluster")
+    task_cfg = OmegaConf.create({"data": {"path": str(data)}})
+    points = [Point(num, [f"optim.lr={num}"], OmegaConf.create(), task_cfg, sweep / str(num), resources,
+                    True, None, cluster=cluster) for num in range(2)]
+    add_containers(points)
+    assert points[0].resources.key() == points[1].resources.key()  # one array
+    python = points[0].resources.params["python"]
+    assert python.startswith("apptainer exec --no-home --bind ")
+    assert sorted(python.split(" --bind ")[1].split(" ")[0].split(",")) == sorted(
+        [f"{tmp_path}:{tmp_path}", f"{data}:{data}"])  # the sweep dir is in the submitting one
