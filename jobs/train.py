@@ -6,6 +6,7 @@ ranks; ``cluster=slurm`` puts the same job on SLURM, ``cluster=debug`` runs it i
 
 from __future__ import annotations
 
+import os
 import sys
 
 try:  # first: below torch's floor, the first newer import would be a traceback, not one line
@@ -13,7 +14,9 @@ try:  # first: below torch's floor, the first newer import would be a traceback,
 except ImportError as e:
     if e.name != "torch":
         raise
-    sys.exit(f"error: {e}")
+    from orchestrator.launch.container import inside_image  # a rank in an image without torch
+
+    sys.exit(f"error: {e}{inside_image(os.environ)}")
 
 import dataclasses
 import json

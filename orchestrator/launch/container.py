@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,10 @@ from orchestrator.config import ConfigError, ContainerConfig, invalid
 
 # Variables the batch script sets for the ranks (``snapshot.setup_lines``): pyxis gives the image's
 # own value precedence unless named in --container-env.
-PASSED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "SWITCHYARD_SNAPSHOT")
+PASSED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "SWITCHYARD_SNAPSHOT", "SWITCHYARD_IMAGE",
+              "SWITCHYARD_SUBMITTED_VERSION")
+# Set by the job's script for its ranks: the image they run in, and the submitter's Switchyard.
+IMAGE_ENV, VERSION_ENV = "SWITCHYARD_IMAGE", "SWITCHYARD_SUBMITTED_VERSION"
 # The Python that runs inside the image: the image's own, found on its PATH.
 IMAGE_PYTHON = "python"
 
@@ -141,6 +145,42 @@ def python(container: ContainerConfig, mounts: Sequence[Mount], gpus_per_node: i
     argv += ["--bind", ",".join(m.spec() for m in mounts), "--pwd", container.workdir or os.getcwd(),
              str(container.image), IMAGE_PYTHON]
     return " ".join(a if a.startswith("--env") or "${" in a else shlex.quote(a) for a in argv)
+
+
+def setup_line(container: ContainerConfig) -> str:
+    """The job script's line that tells the ranks their image and the submitter's Switchyard
+    (``rank_check``)."""
+    version = own_version() or "unknown"
+    return f"export {IMAGE_ENV}={shlex.quote(str(container.image))} {VERSION_ENV}={version}"
+
+
+def own_version() -> str | None:
+    """The installed Switchyard's version (its distribution's metadata); None when not installed."""
+    try:
+        return importlib.metadata.version("switchyard")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def rank_check(environ: Mapping[str, str], from_snapshot: bool) -> str | None:
+    """On a rank: why it cannot run in its image, in one line; None when it can. Without the
+    snapshot (``cluster.snapshot.enabled=false``), the image's installed Switchyard runs, and must
+    be the submitter's version."""
+    image, submitted = environ.get(IMAGE_ENV), environ.get(VERSION_ENV)
+    if image is None or submitted in (None, "unknown") or from_snapshot:
+        return None
+    found = own_version()
+    if found is None or found == submitted:
+        return None  # not installed: imported from a mounted checkout, the submitter's own code
+    return (f"the image {image} has Switchyard {found} installed, the submitter has {submitted}: "
+            f"install Switchyard {submitted} in the image, or leave cluster.snapshot.enabled=true "
+            f"(the ranks then import the submitter's code from its snapshot)")
+
+
+def inside_image(environ: Mapping[str, str]) -> str:
+    """' in the image IMAGE' on a rank that runs in one, for its errors; else ''."""
+    image = environ.get(IMAGE_ENV)
+    return f" in the image {image}" if image else ""
 
 
 def is_local_file(image: str) -> bool:

@@ -102,16 +102,17 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     params = slurm_parameters(cluster, parallelism)
     if code is not None:
         params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
-    params.update(container_parameters(cluster, parallelism, folder.parent, code, paths))
+    params.update(container_parameters(cluster, parallelism, folder.parent, code, paths, params["setup"]))
     return new_executor("slurm", params, folder, cluster.max_requeues)
 
 
 def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
-                         code: snapshot.Snapshot | None, paths: Sequence[tuple[str, str | Path | None]]
-                         ) -> dict[str, Any]:
-    """What ``cluster.container`` changes in the submitit parameters: pyxis's srun arguments, the
-    ``python`` that runs each rank (``new_executor`` hands it to submitit), after the checks that
-    refuse what would fail on every node (``container.check``)."""
+                         code: snapshot.Snapshot | None, paths: Sequence[tuple[str, str | Path | None]],
+                         setup: Sequence[str] = ()) -> dict[str, Any]:
+    """What ``cluster.container`` changes in the submitit parameters: the ``setup`` lines then the
+    image's for the ranks, pyxis's srun arguments, the ``python`` that runs each rank
+    (``new_executor`` hands it to submitit), after the checks that refuse what would fail on every
+    node (``container.check``)."""
     box = cluster.container
     if box.runtime == "none":
         return {}
@@ -119,7 +120,8 @@ def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
     mounts = container.all_mounts(box, container.needed([
         ("the run directory", run_dir), ("the code snapshot", code.path if code else None),
         ("the submitting directory (on PYTHONPATH)", os.getcwd()), *paths]))
-    return {"srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args,
+    return {"setup": [*setup, container.setup_line(box)],
+            "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args,
                           *container.srun_args(box, mounts, run_dir)],
             "python": container.python(box, mounts, parallelism.gpus_per_node)}
 
@@ -229,6 +231,9 @@ class RankEntry:
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
                                  local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
         snap = snapshot.current()
+        wrong_image = container.rank_check(os.environ, snap is not None and snapshot.imported_from(__file__))
+        if wrong_image is not None:
+            raise RankFailed(wrong_image)
         if snap is not None:
             if not snap.files:  # deleted after the job's script checked it (snapshot.setup_lines)
                 raise RankFailed(snapshot.gone_line(snap.path))

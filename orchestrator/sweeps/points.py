@@ -211,7 +211,7 @@ def add_containers(points: Sequence[Point]) -> None:
         try:
             gpus = int(p.resources.params.get("gpus_per_node") or 0)
             params = container_parameters(cluster, ParallelismConfig(gpus_per_node=gpus), sweep_dir,
-                                          p.code, paths)
+                                          p.code, paths, p.resources.params.get("setup", []))
         except ConfigError as e:
             raise SweepError(f"{p.name}: {e}") from e
         p.resources = replace(p.resources, params={**p.resources.params, **params})

@@ -53,7 +53,8 @@ def test_pyxis_puts_the_image_mounts_and_a_per_run_name_on_srun(
         # the submitting directory holds the run and the data here: one mount covers them
         f"--container-mounts={tmp_path}:{tmp_path}",
         f"--container-workdir={tmp_path}",
-        "--container-env=PYTHONPATH,PYTHONSAFEPATH,SWITCHYARD_SNAPSHOT,HF_TOKEN",
+        "--container-env=PYTHONPATH,PYTHONSAFEPATH,SWITCHYARD_SNAPSHOT,SWITCHYARD_IMAGE,"
+        "SWITCHYARD_SUBMITTED_VERSION,HF_TOKEN",
         f"--container-name={container.container_name(tmp_path / 'run')}",
         "--no-container-mount-home", "--container-readonly",
         "python", "-u", "-m", "submitit.core._submit", str(tmp_path / "run" / "submitit")]
@@ -193,3 +194,28 @@ def test_a_sweeps_points_share_one_array_with_the_sweep_dir_and_their_data_mount
     assert python.startswith("apptainer exec --no-home --bind ")
     assert sorted(python.split(" --bind ")[1].split(" ")[0].split(",")) == sorted(
         [f"{tmp_path}:{tmp_path}", f"{data}:{data}"])  # the sweep dir is in the submitting one
+
+
+def test_an_installed_switchyard_in_the_image_must_be_the_submitters_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the snapshot the image's own Switchyard runs; with it, the snapshot's (the
+    submitter's code, whatever the image has installed)."""
+    env = {container.IMAGE_ENV: "/images/old.sif", container.VERSION_ENV: "0.2.0"}
+    monkeypatch.setattr(container, "own_version", lambda: "0.1.0")  # what the image has installed
+    assert container.rank_check(env, from_snapshot=False) == (
+        "the image /images/old.sif has Switchyard 0.1.0 installed, the submitter has 0.2.0: install "
+        "Switchyard 0.2.0 in the image, or leave cluster.snapshot.enabled=true (the ranks then import "
+        "the submitter's code from its snapshot)")
+    assert container.rank_check(env, from_snapshot=True) is None
+    assert container.rank_check({**env, container.VERSION_ENV: "0.1.0"}, from_snapshot=False) is None
+    assert container.rank_check({}, from_snapshot=False) is None  # no container
+
+
+def test_a_rank_refuses_an_image_whose_switchyard_differs_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(container.IMAGE_ENV, "/images/old.sif")
+    monkeypatch.setenv(container.VERSION_ENV, "9.9.9")
+    monkeypatch.delenv("SWITCHYARD_SNAPSHOT", raising=False)
+    with pytest.raises(submit.RankFailed, match=r"^the image /images/old.sif has Switchyard \S+ installed, "
+                                                r"the submitter has 9.9.9"):
+        submit.RankEntry(lambda: "ran")()
