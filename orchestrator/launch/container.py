@@ -193,11 +193,7 @@ def check(container: ContainerConfig, dry_run: bool = False, srun_help: str | No
     only warns where the submitting machine lacks the runtime (its script is what is looked at)."""
     if container.runtime == "none":
         return []
-    image = str(container.image)
-    if is_local_file(image) and not Path(image).expanduser().is_file():
-        example = "/images/torch.sif" if container.runtime == "apptainer" else "/images/torch.sqsh"
-        raise invalid("cluster.container.image", image, "no such file on this machine",
-                      f"cluster.container.image=<an existing image file, e.g. {example}>")
+    check_image_file(container)
     warnings = []
     if container.runtime == "pyxis":
         text = srun_help if srun_help is not None else _srun_help()
@@ -211,6 +207,15 @@ def check(container: ContainerConfig, dry_run: bool = False, srun_help: str | No
         warnings.append("container=apptainer: neither apptainer nor singularity is on this machine's "
                         "PATH; the job needs it on the nodes' PATH")
     return warnings
+
+
+def check_image_file(container: ContainerConfig) -> None:
+    """A local image file that is not there: refused, naming it."""
+    image = str(container.image)
+    if is_local_file(image) and not Path(image).expanduser().is_file():
+        example = "/images/torch.sif" if container.runtime == "apptainer" else "/images/torch.sqsh"
+        raise invalid("cluster.container.image", image, "no such file on this machine",
+                      f"cluster.container.image=<an existing image file, e.g. {example}>")
 
 
 def _srun_help() -> str:
@@ -229,6 +234,7 @@ def identity(container: ContainerConfig) -> dict[str, str | None] | None:
     image = str(container.image)
     digest = None
     if is_local_file(image):
+        check_image_file(container)  # it is recorded before the other checks run
         path = Path(image).expanduser().absolute()
         stat = path.stat()
         digest = file_digest(path, stat.st_size, stat.st_mtime_ns)

@@ -219,3 +219,16 @@ def test_a_rank_refuses_an_image_whose_switchyard_differs_in_one_line(
     with pytest.raises(submit.RankFailed, match=r"^the image /images/old.sif has Switchyard \S+ installed, "
                                                 r"the submitter has 9.9.9"):
         submit.RankEntry(lambda: "ran")()
+
+
+def test_jobs_train_refuses_a_missing_image_in_one_line_and_queues_nothing(tmp_path: Path) -> None:
+    from train_helpers import CHEAP, run_train
+
+    proc = run_train("cluster=slurm", "cluster.dry_run=true", "container=apptainer",
+                     f"cluster.container.image={tmp_path}/gone.sif", *CHEAP, run_dir=tmp_path / "run",
+                     cache_dir=tmp_path / "cache")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: cluster.container.image='{tmp_path}/gone.sif' is invalid: no such file on this machine "
+        "(try cluster.container.image=<an existing image file, e.g. /images/torch.sif>)")
+    assert "#SBATCH" not in proc.stdout
