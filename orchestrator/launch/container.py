@@ -54,8 +54,9 @@ class Mount:
 
 def needed(paths: Iterable[tuple[str, str | Path | None]]) -> list[Mount]:
     """``(config key, path)`` pairs -> the mounts the job needs, each at its own path inside. A
-    path not there yet is mounted through its nearest existing parent; a path inside another
-    one's mount is left to that mount."""
+    path not there yet is mounted through its nearest existing parent, unless that is ``/`` (the
+    image's root is not replaced: the path stays missing, as the job's own checks report); a path
+    inside another one's mount is left to that mount."""
     found: list[Mount] = []
     for why, path in paths:
         if path is None or str(path) == "":
@@ -63,6 +64,8 @@ def needed(paths: Iterable[tuple[str, str | Path | None]]) -> list[Mount]:
         where = Path(os.path.abspath(Path(path).expanduser()))
         while not where.exists() and where != where.parent:
             where = where.parent
+        if where == where.parent:
+            continue
         found.append(Mount(where, str(where), why=why))
     kept: list[Mount] = []
     for m in sorted(found, key=lambda m: len(m.source.parts)):

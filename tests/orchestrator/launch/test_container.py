@@ -103,6 +103,10 @@ def test_every_path_the_train_config_names_is_mounted(tmp_path: Path,
     mounts = container.needed(wanted)
     assert {m.target for m in mounts} == {str(places[k]) for k in ("train", "eval", "cache")} | {
         str(places["ckpt"] / "new")}
+    # not there yet: its nearest existing parent, never the root (that would replace the image's)
+    deeper = places["train"] / "a" / "b"
+    assert [m.target for m in container.needed([("data.path", deeper)])] == [str(places["train"])]
+    assert container.needed([("checkpoint.resume_from", "/no-such-dir-c38/step-4.pt")]) == []
 
 
 def refused(box: ContainerConfig, derived: list[container.Mount] = (), srun_help: str = "") -> str:  # type: ignore[assignment]
