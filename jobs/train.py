@@ -6,6 +6,7 @@ ranks; ``cluster=slurm`` puts the same job on SLURM, ``cluster=debug`` runs it i
 
 from __future__ import annotations
 
+import os
 import sys
 
 try:  # first: below torch's floor, the first newer import would be a traceback, not one line
@@ -13,7 +14,9 @@ try:  # first: below torch's floor, the first newer import would be a traceback,
 except ImportError as e:
     if e.name != "torch":
         raise
-    sys.exit(f"error: {e}")
+    from orchestrator.launch.container import inside_image  # a rank in an image without torch
+
+    sys.exit(f"error: {e}{inside_image(os.environ)}")
 
 import dataclasses
 import json
@@ -106,6 +109,19 @@ def check_before_submit(cfg: TrainConfig, run_dir: Path | None = None
     return paths, checks.check_before_submit(cfg, paths, run_dir)
 
 
+def container_paths(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path
+                    ) -> list[tuple[str, str | Path | None]]:
+    """What the ranks read and write outside the run directory, mounted into ``cluster.container``'s
+    image (``orchestrator.launch.container``); the checkpoint directory is made first, to be mounted."""
+    if cfg.cluster.container.runtime == "none":
+        return []
+    checkpoints = resume.checkpoint_dir(cfg, run_dir)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    return [("data.path", paths.train), ("data.eval_path", paths.eval),
+            ("data.cache_dir", cfg.data.cache_dir), ("checkpoint.dir", checkpoints),
+            ("checkpoint.resume_from", cfg.checkpoint.resume_from)]
+
+
 def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
     """The sweep launcher runs this on every point before anything is queued (registered below)."""
     typed = load_config(task_cfg)
@@ -130,7 +146,8 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     run_lock.check_free(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")
     paths, memory = check_before_submit(cfg, run_dir)
     code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code,
+                                    container_paths(cfg, paths, run_dir))
     if cfg.cluster.dry_run:
         if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
             print(f"{memory.table()}\n")

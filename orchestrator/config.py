@@ -224,6 +224,50 @@ class SnapshotConfig:
         check_floats(self, "cluster.snapshot.")
 
 
+CONTAINER_RUNTIMES = ("none", "pyxis", "apptainer")
+# A path, image URI or variable name on the srun line: no quotes, spaces or shell syntax.
+# A '#' inside a word (pyxis's registry#image) is no shell comment.
+_CONTAINER_SAFE = re.compile(r"^(?!#)[A-Za-z0-9_.,:=+@%/~#\[\]-]*$")
+
+
+@dataclass
+class ContainerConfig:
+    """The image every rank runs in (``container=pyxis|apptainer``; ``orchestrator/launch/container.py``).
+    The paths the job reads and writes are mounted without being listed here."""
+
+    runtime: str = "none"  # none | pyxis (srun --container-image) | apptainer (apptainer exec)
+    image: str | None = None  # pyxis: a registry URI or a .sqsh file; apptainer: a .sif or docker:// URI
+    mounts: list[str] = field(default_factory=list)  # further mounts, SRC[:DST[:ro]], beside the derived ones
+    workdir: str | None = None  # the ranks' working directory inside; null: the submitting directory
+    env: list[str] = field(default_factory=list)  # names of variables the host's value overrides the image's
+    writable: bool = False  # pyxis: a writable container root (--container-writable), else read-only
+    mount_home: bool = False  # pyxis: mount $HOME too (--container-mount-home)
+    nv: bool = True  # apptainer: --nv on GPU jobs (the node's NVIDIA driver inside)
+    rocm: bool = False  # apptainer: --rocm instead, on AMD GPUs
+
+    def __post_init__(self) -> None:
+        if self.runtime not in CONTAINER_RUNTIMES:
+            raise invalid("container", self.runtime, f"choose one of {CONTAINER_RUNTIMES}", "container=none")
+        if self.runtime != "none" and not self.image:
+            example = ("'\"nvcr.io#nvidia/pytorch:24.05-py3\"'" if self.runtime == "pyxis"
+                       else "/images/torch.sif")
+            raise invalid("cluster.container.image", self.image, f"container={self.runtime} runs the "
+                          "ranks in an image, and none is named", f"cluster.container.image={example}")
+        values = [("cluster.container.image", self.image), ("cluster.container.workdir", self.workdir),
+                  *((f"cluster.container.mounts[{i}]", m) for i, m in enumerate(self.mounts)),
+                  *((f"cluster.container.env[{i}]", e) for i, e in enumerate(self.env))]
+        for key, value in values:
+            if value is not None and not _CONTAINER_SAFE.match(value):
+                raise invalid(key, value, "it goes onto the srun line of the generated sbatch script, "
+                              "and quotes, spaces and shell metacharacters are refused there",
+                              f"{key}=<a plain path or name>")
+        for i, name in enumerate(self.env):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise invalid(f"cluster.container.env[{i}]", name, "a variable name, not NAME=VALUE "
+                              "(its value is the submitting environment's)",
+                              f"cluster.container.env=[{name.split('=')[0] or 'NAME'}]")
+
+
 @dataclass
 class ClusterConfig:
     """Where the job runs. ``debug``: in this process; ``local``: N processes here; ``slurm``."""
@@ -259,6 +303,7 @@ class ClusterConfig:
     # A collective that waits longer fails instead of hanging.
     collective_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # slurm: the code the job runs
+    container: ContainerConfig = field(default_factory=ContainerConfig)  # slurm: the image the ranks run in
 
     def __post_init__(self) -> None:
         check_floats(self, "cluster.")
@@ -278,6 +323,9 @@ class ClusterConfig:
         if self.dry_run and self.mode != "slurm":
             raise invalid("cluster.dry_run", self.dry_run, "it prints the sbatch script of "
                           "cluster=slurm; other modes queue nothing", "cluster=slurm cluster.dry_run=true")
+        if self.container.runtime != "none" and self.mode != "slurm":
+            raise invalid("container", self.container.runtime, "a container runs the ranks of a SLURM "
+                          "job; local and debug ranks run this machine's Python", "cluster=slurm")
         if self.never_starts not in NEVER_STARTS:
             raise invalid("cluster.never_starts", self.never_starts, f"choose one of {NEVER_STARTS}",
                           "cluster.never_starts=cancel")
@@ -844,6 +892,7 @@ def register_configs() -> None:
     cs.store(name="prepare_schema", node=PrepareConfig)
     cs.store(group="parallelism", name="base_parallelism", node=ParallelismConfig)
     cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
+    cs.store(group="container", name="base_container", node=ContainerConfig, package="cluster.container")
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="optim", name="base_optim", node=OptimConfig)

@@ -26,7 +26,7 @@ from typing import Any
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, SnapshotConfig
-from orchestrator.launch import snapshot
+from orchestrator.launch import container, snapshot
 
 PROVENANCE_FILE = "provenance.json"
 DIFF_FILE = "provenance.diff"
@@ -199,14 +199,14 @@ def write_diff(folder: Path, found: Origin) -> Path | None:
 
 
 def record(run_dir: Path, snap: snapshot.Snapshot | None, config_text: str, found: Origin,
-           diff_path: Path | None) -> dict[str, Any]:
-    """``RUN/provenance.json``; returns what it wrote."""
+           diff_path: Path | None, image: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """``RUN/provenance.json``; returns what it wrote. ``image``: ``container.identity``'s."""
     code = {"hash": snap.hash, "path": str(snap.path), "files": len(snap.files)} if snap else None
     data = {"snapshot": code,
             "git": {"commit": found.git_commit, "dirty": found.git_dirty,
                     "diff": str(diff_path) if diff_path else None},
             "config_sha256": config_hash(config_text), "versions": found.versions,
-            "packages": found.packages,
+            "packages": found.packages, "image": image,
             "submitted_at": time.time()}
     atomic.write_text(Path(run_dir) / PROVENANCE_FILE, json.dumps(data, indent=1), durable=False)
     return data
@@ -231,6 +231,8 @@ def lines(data: dict[str, Any]) -> list[str]:
         out.append(f"git: {git['commit'][:12]}{dirty}")
     out.append(f"config sha256: {str(data.get('config_sha256'))[:16]}")
     out.append("versions: " + ", ".join(f"{k} {v}" for k, v in found.items() if v))
+    if data.get("image"):
+        out.append(f"image: {container.describe(data['image'])}")
     packages = data.get("packages") or {}
     out.append("packages: " + (", ".join(f"{k} {v}" for k, v in packages.items()) if packages else
                                "none installed that your code imports"))
@@ -270,10 +272,17 @@ def for_checkpoint(run_dir: str | Path | None = None) -> dict[str, Any]:
     (``RUN/provenance.json`` of ``run_dir``), and the run that wrote it (``run_id``: another run
     resumes it only when told to, ``orchestrator.training.resume``)."""
     snap = snapshot.running()
-    named = (read(run_dir) or {}).get("packages") or {} if run_dir is not None else {}
+    submitted = (read(run_dir) or {}) if run_dir is not None else {}
+    named = submitted.get("packages") or {}
     return {"code_hash": snap.hash if snap else None, "snapshot": str(snap.path) if snap else None,
+            "image": image_key(submitted.get("image")),
             "torch": versions()["torch"], "packages": package_versions(sorted(named)),
             "run_dir": run_id(run_dir) if run_dir is not None else None}
+
+
+def image_key(image: dict[str, Any] | None) -> str | None:
+    """The image a checkpoint was written in, as compared at resume: its digest, else its name."""
+    return None if not image else str(image.get("digest") or image.get("image"))
 
 
 def run_id(run_dir: str | Path) -> str:
@@ -295,6 +304,8 @@ def resume_change(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str
         new = snapshot.read_manifest(Path(now["snapshot"])) if now.get("snapshot") else None
         if old is not None and new is not None:
             change["files"] = snapshot.changed_files(old, new)
+    if (saved.get("image") or now.get("image")) and saved.get("image") != now.get("image"):
+        change["image"] = [saved.get("image"), now.get("image")]  # like torch: the image holds it
     if saved.get("torch") != now.get("torch"):
         change["torch"] = [saved.get("torch"), now.get("torch")]
     # The checkpoint's packages as this process has them (a package imported anew is a change of
@@ -318,6 +329,9 @@ def describe_change(change: dict[str, Any]) -> str:
         else:
             listed = f"; files that differ: {', '.join(files[:10])}{' ...' if len(files) > 10 else ''}"
         parts.append(f"code snapshot {old[:12]} -> {new[:12]}{listed}")
+    if "image" in change:
+        old_image, new_image = (image or "(none)" for image in change["image"])
+        parts.append(f"container image {old_image} -> {new_image}")
     if "torch" in change:
         parts.append(f"torch {change['torch'][0]} -> {change['torch'][1]}")
     for name, (old_version, new_version) in (change.get("packages") or {}).items():
@@ -333,5 +347,6 @@ def at_submission(cluster: ClusterConfig, targets: Sequence[str], run_dir: Path,
     take = cluster.mode == "slurm" and cluster.snapshot.enabled
     snap = snapshot.take(cluster.snapshot, targets) if take else None
     found = origin(packages=user_packages(cluster.snapshot, targets, scripts))
-    record(run_dir, snap, config_text, found, write_diff(run_dir, found))
+    record(run_dir, snap, config_text, found, write_diff(run_dir, found),
+           container.identity(cluster.container))
     return snap

@@ -121,7 +121,8 @@ def test_only(params: Mapping[str, Any]) -> str | None:
 
     with tempfile.TemporaryDirectory(prefix="switchyard-test-only-") as folder:
         script = Path(folder) / "job.sh"
-        script.write_text(_make_sbatch_string(command="true", folder=folder, **params))
+        rendered = {k: v for k, v in params.items() if k != "python"}  # new_executor's, not sbatch's
+        script.write_text(_make_sbatch_string(command="true", folder=folder, **rendered))
         try:
             proc = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True,
                                   text=True, timeout=60, check=False)

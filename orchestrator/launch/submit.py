@@ -26,6 +26,7 @@ from submitit.local.local import LocalJob
 from orchestrator.config import SBATCH_OPTIONS, ClusterConfig, ConfigError, ParallelismConfig, sbatch_option
 from orchestrator.launch import (
     bad_nodes,
+    container,
     dist_env,
     heartbeat,
     local_jobs,
@@ -88,9 +89,11 @@ class SubmissionError(ConfigError):
 
 
 def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
-                  folder: Path, code: snapshot.Snapshot | None = None) -> submitit.Executor:
+                  folder: Path, code: snapshot.Snapshot | None = None,
+                  paths: Sequence[tuple[str, str | Path | None]] = ()) -> submitit.Executor:
     """The executor for ``cluster.mode``; one task per GPU, or per process on CPU. On SLURM, with
-    ``code``, every rank imports from that snapshot (``snapshot.setup_lines``)."""
+    ``code``, every rank imports from that snapshot (``snapshot.setup_lines``). ``paths``: (config
+    key, path) the ranks read or write, mounted into ``cluster.container``'s image."""
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
@@ -99,7 +102,28 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     params = slurm_parameters(cluster, parallelism)
     if code is not None:
         params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
+    params.update(container_parameters(cluster, parallelism, folder.parent, code, paths, params["setup"]))
     return new_executor("slurm", params, folder, cluster.max_requeues)
+
+
+def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
+                         code: snapshot.Snapshot | None, paths: Sequence[tuple[str, str | Path | None]],
+                         setup: Sequence[str] = ()) -> dict[str, Any]:
+    """What ``cluster.container`` changes in the submitit parameters: the ``setup`` lines then the
+    image's for the ranks, pyxis's srun arguments, the ``python`` that runs each rank
+    (``new_executor`` hands it to submitit), after the checks that refuse what would fail on every
+    node (``container.check``)."""
+    box = cluster.container
+    if box.runtime == "none":
+        return {}
+    container.warn(container.check(box, dry_run=cluster.dry_run))
+    mounts = container.all_mounts(box, container.needed([
+        ("the run directory", run_dir), ("the code snapshot", code.path if code else None),
+        ("the submitting directory (on PYTHONPATH)", os.getcwd()), *paths]))
+    return {"setup": [*setup, container.setup_line(box)],
+            "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args,
+                          *container.srun_args(box, mounts, run_dir)],
+            "python": container.python(box, mounts, parallelism.gpus_per_node)}
 
 
 def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeues: int = 0,
@@ -111,7 +135,9 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
         local = submitit.LocalExecutor(folder=folder)
         local.update_parameters(**params)
         return local
-    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues)
+    params = dict(params)  # "python": the command that runs the ranks' Python (a container's)
+    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues,
+                                   python=params.pop("python", None))
     limit = {} if array_parallelism is None else {"array_parallelism": array_parallelism}
     slurm.update_parameters(**params, **limit)
     return slurm
@@ -205,6 +231,9 @@ class RankEntry:
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
                                  local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
         snap = snapshot.current()
+        wrong_image = container.rank_check(os.environ, snap is not None and snapshot.imported_from(__file__))
+        if wrong_image is not None:
+            raise RankFailed(wrong_image)
         if snap is not None:
             if not snap.files:  # deleted after the job's script checked it (snapshot.setup_lines)
                 raise RankFailed(snapshot.gone_line(snap.path))

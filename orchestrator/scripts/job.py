@@ -163,7 +163,9 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
         with rank.redirected_signals():
             return report([rank.run_rank(spec, str(run_dir))], run_dir)
     code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml, scripts_of(cfg))
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code)
+    mounted: list[tuple[str, str | Path | None]] = [
+        ("cwd", spec.cwd), *(("the command's script", p) for p in scripts_of(cfg))]
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code, mounted)
     if cfg.cluster.dry_run:
         print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
         return None

@@ -51,6 +51,7 @@ from orchestrator.sweeps.arrays import (
 from orchestrator.sweeps.node import result_path
 from orchestrator.sweeps.points import (
     Point,
+    add_containers,
     install_composition_cache,
     prepare_point,
     take_snapshots,
@@ -119,6 +120,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     # not inherit orchestrator.entry.hydra_app's HYDRA_FULL_ERROR
     task_started()
     take_snapshots(points)
+    add_containers(points)
     origin = provenance.origin(packages=user_packages(points, task_function))
     diff = provenance.write_diff(sweep_dir, origin)  # once per submission, named by every point
     try:

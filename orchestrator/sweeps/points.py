@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, SnapshotConfig, app_check
-from orchestrator.launch import provenance, signal_delay, snapshot
+from orchestrator.launch import container, provenance, signal_delay, snapshot
 from orchestrator.sweeps.arrays import LauncherSettings, Resources, SweepError, resources_for
 from orchestrator.sweeps.node import POINT_DIR, write_bytes
 
@@ -48,6 +49,7 @@ class Point:
     is_ddp: bool  # has cluster/parallelism groups: every task is a rank, SWITCHYARD_IN_JOB=1
     total_steps: int | None  # optim.max_steps, for progress
     code: snapshot.Snapshot | None = None  # the code snapshot its job imports (slurm)
+    cluster: ClusterConfig | None = None  # the app's cluster group, when it has one (its container)
 
     @property
     def name(self) -> str:
@@ -133,7 +135,7 @@ def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, maste
         raise SweepError(f"{where}: {type(e).__name__}: {e}") from e
     steps = OmegaConf.select(task_cfg, "optim.max_steps", default=None)
     return Point(num, list(overrides), config, task_cfg, run_dir, resources, groups is not None,
-                 steps if isinstance(steps, int) else None)
+                 steps if isinstance(steps, int) else None, cluster=groups[0] if groups else None)
 
 
 def resolve_point(config: DictConfig, num: int, sweep_dir: Path) -> Path:
@@ -184,6 +186,35 @@ def take_snapshots(points: Sequence[Point]) -> None:
         p.code = taken[key]
         setup = [*snapshot.setup_lines(p.code), *p.resources.params.get("setup", [])]
         p.resources = replace(p.resources, params={**p.resources.params, "setup": setup})
+
+
+# Keys of an app's config whose paths its ranks read or write (jobs.train's), mounted into the
+# container of a point that names one.
+CONTAINER_PATH_KEYS = ("data.path", "data.eval_path", "data.cache_dir", "checkpoint.dir",
+                       "checkpoint.resume_from")
+
+
+def add_containers(points: Sequence[Point]) -> None:
+    """The container arguments of each SLURM point with ``cluster.container`` (after
+    ``take_snapshots``): the sweep's directory is mounted (every point's run directory is in it), so
+    points that differ only in their overrides still share one array."""
+    boxed = [(p, p.cluster) for p in points if p.resources.executor == "slurm" and p.cluster is not None
+             and p.cluster.container.runtime != "none"]
+    if not boxed:
+        return
+    from orchestrator.launch.submit import container_parameters  # imports submitit
+
+    sweep_dir = Path(os.path.commonpath([str(p.run_dir) for p in points]))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    for p, cluster in boxed:
+        paths = [(key, OmegaConf.select(p.task_cfg, key, default=None)) for key in CONTAINER_PATH_KEYS]
+        try:
+            gpus = int(p.resources.params.get("gpus_per_node") or 0)
+            params = container_parameters(cluster, ParallelismConfig(gpus_per_node=gpus), sweep_dir,
+                                          p.code, paths, p.resources.params.get("setup", []))
+        except ConfigError as e:
+            raise SweepError(f"{p.name}: {e}") from e
+        p.resources = replace(p.resources, params={**p.resources.params, **params})
 
 
 def user_packages(points: Sequence[Point], task_function: Callable[..., Any]) -> dict[str, str]:
@@ -255,7 +286,8 @@ def write_point(point: Point, entry: Path, origin: provenance.Origin, diff: Path
     config_yaml = OmegaConf.to_yaml(point.task_cfg)
     write_bytes(point.files / "config.pkl", cloudpickle.dumps(point.config))
     write_bytes(point.files / "config.yaml", config_yaml.encode())
-    recorded = provenance.record(point.run_dir, point.code, config_yaml, origin, diff)
+    image = container.identity(point.cluster.container) if point.cluster is not None else None
+    recorded = provenance.record(point.run_dir, point.code, config_yaml, origin, diff, image)
     spec = {"num": point.num, "overrides": point.overrides, "entry": str(entry), "ddp": point.is_ddp}
     write_bytes(point.files / "point.json", json.dumps(spec, indent=1).encode())
     return recorded

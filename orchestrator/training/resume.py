@@ -85,10 +85,12 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
             "optim.max_steps and the other optim.* values.")
 
 
-def check_code(saved: dict[str, Any] | None, path: Path, allow: bool) -> dict[str, Any] | None:
-    """Refuse a resume under other code than the checkpoint was written with (``provenance``),
-    unless ``checkpoint.allow_code_change``; returns the change let through, for summary.json."""
-    change = provenance.resume_change(saved, provenance.for_checkpoint())
+def check_code(saved: dict[str, Any] | None, path: Path, allow: bool,
+               run_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """Refuse a resume under other code than the checkpoint was written with (``provenance``;
+    with ``run_dir``, its container image too), unless ``checkpoint.allow_code_change``; returns
+    the change let through, for summary.json."""
+    change = provenance.resume_change(saved, provenance.for_checkpoint(run_dir))
     if change is None or allow:
         return change
     raise CheckpointError(

@@ -231,7 +231,7 @@ class Trainer:
         resume.check_compatible(found.state["compat"], self.compat, found.path)
         resume.check_max_steps(int(found.state["step"]), self.cfg.optim, found.path)
         code_change = resume.check_code(found.state.get("provenance"), found.path,
-                                        self.cfg.checkpoint.allow_code_change)
+                                        self.cfg.checkpoint.allow_code_change, self.run_dir)
         if code_change is not None:
             self.checkpoint_warnings.append(f"resumed under other code (checkpoint.allow_code_change="
                                             f"true): {provenance.describe_change(code_change)}")

@@ -1,0 +1,270 @@
+"""``container=pyxis|apptainer``: the ranks of a SLURM job run inside an image.
+
+One place turns a ``ContainerConfig`` into the job's command line, so the dry run shows what is
+submitted:
+
+- pyxis: ``srun --container-image=IMAGE --container-mounts=... --container-workdir=...
+  --container-env=... --no-container-mount-home --container-name=...`` (srun arguments), and
+  the image's ``python`` runs the rank;
+- apptainer: the rank's Python is ``apptainer exec --nv --bind ... IMAGE python``.
+
+The mounts follow from the config (``mounts``): the code snapshot, the run directory, the
+submitting directory and every path the job names are bound at the same path inside, so no path
+differs between the submitting machine and the ranks. Switchyard itself imports inside the image
+from its snapshot, which is put first on ``PYTHONPATH`` (``snapshot.setup_lines``): the image needs
+Python, torch and Switchyard's dependencies, not Switchyard.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import ConfigError, ContainerConfig, invalid
+
+# Variables the batch script sets for the ranks (``snapshot.setup_lines``): pyxis gives the image's
+# own value precedence unless named in --container-env.
+PASSED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "SWITCHYARD_SNAPSHOT", "SWITCHYARD_IMAGE",
+              "SWITCHYARD_SUBMITTED_VERSION")
+# Set by the job's script for its ranks: the image they run in, and the submitter's Switchyard.
+IMAGE_ENV, VERSION_ENV = "SWITCHYARD_IMAGE", "SWITCHYARD_SUBMITTED_VERSION"
+# The Python that runs inside the image: the image's own, found on its PATH.
+IMAGE_PYTHON = "python"
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: Path  # on the node
+    target: str  # inside the container
+    read_only: bool = False
+    why: str = ""  # the config key it comes from, for errors
+
+    def spec(self) -> str:
+        return f"{self.source}:{self.target}{':ro' if self.read_only else ''}"
+
+
+def needed(paths: Iterable[tuple[str, str | Path | None]]) -> list[Mount]:
+    """``(config key, path)`` pairs -> the mounts the job needs, each at its own path inside. A
+    path not there yet is mounted through its nearest existing parent, unless that is ``/`` (the
+    image's root is not replaced: the path stays missing, as the job's own checks report); a path
+    inside another one's mount is left to that mount."""
+    found: list[Mount] = []
+    for why, path in paths:
+        if path is None or str(path) == "":
+            continue
+        where = Path(os.path.abspath(Path(path).expanduser()))
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if where == where.parent:
+            continue
+        found.append(Mount(where, str(where), why=why))
+    kept: list[Mount] = []
+    for m in sorted(found, key=lambda m: len(m.source.parts)):
+        if not any(m.source == k.source or k.source in m.source.parents for k in kept):
+            kept.append(m)
+    return kept
+
+
+def user_mounts(container: ContainerConfig) -> list[Mount]:
+    """``cluster.container.mounts``: ``SRC``, ``SRC:DST`` or ``SRC:DST:ro``."""
+    found = []
+    for i, spec in enumerate(container.mounts):
+        parts = spec.split(":")
+        key = f"cluster.container.mounts[{i}]"
+        if not 1 <= len(parts) <= 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")) or not parts[0]:
+            raise invalid(key, spec, "a mount is SRC, SRC:DST or SRC:DST:ro", f"{key}=/data:/data:ro")
+        source = Path(os.path.abspath(Path(parts[0]).expanduser()))
+        target = parts[1] if len(parts) > 1 and parts[1] else str(source)
+        if not target.startswith("/"):
+            raise invalid(key, spec, f"the target {target!r} is not an absolute path",
+                          f"{key}={parts[0]}:/{target.lstrip('./')}")
+        found.append(Mount(source, target, len(parts) == 3 and parts[2] == "ro", key))
+    return found
+
+
+def all_mounts(container: ContainerConfig, derived: Sequence[Mount]) -> list[Mount]:
+    """The derived mounts, then the user's, refused (``ConfigError``) when a user mount's source is
+    missing or its target hides a path the job needs."""
+    extra = user_mounts(container)
+    for m in extra:
+        if not m.source.exists():
+            raise invalid(m.why, container.mounts[int(m.why.split("[")[1][:-1])],
+                          f"its source {m.source} does not exist on this machine (the nodes would "
+                          "fail to mount it)", f"{m.why}=<an existing path>")
+        for d in derived:
+            target = Path(m.target)
+            if m.source != target and (target == Path(d.target) or target in Path(d.target).parents):
+                raise invalid(m.why, container.mounts[int(m.why.split("[")[1][:-1])],
+                              f"its target {m.target} would hide {d.target}, which the job needs "
+                              f"({d.why}) under {m.source}'s files",
+                              f"{m.why}={m.source}:<a target outside {d.target}>")
+    return [*derived, *(m for m in extra if m not in derived)]
+
+
+def container_name(run_dir: Path) -> str:
+    """pyxis's name for the imported image: the same for every attempt of one run, so a requeue
+    finds it on the node instead of importing it again."""
+    return "switchyard-" + hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:12]
+
+
+def srun_args(container: ContainerConfig, mounts: Sequence[Mount], run_dir: Path) -> list[str]:
+    """pyxis's srun arguments (none for another runtime)."""
+    if container.runtime != "pyxis":
+        return []
+    args = [f"--container-image={container.image}",
+            f"--container-mounts={','.join(m.spec() for m in mounts)}",
+            f"--container-workdir={container.workdir or os.getcwd()}",
+            f"--container-env={','.join(dict.fromkeys([*PASSED_ENV, *container.env]))}",
+            f"--container-name={container_name(run_dir)}"]
+    args.append("--container-mount-home" if container.mount_home else "--no-container-mount-home")
+    args.append("--container-writable" if container.writable else "--container-readonly")
+    return args
+
+
+def python(container: ContainerConfig, mounts: Sequence[Mount], gpus_per_node: int) -> str | None:
+    """The command that runs a rank's Python: None (the submitting machine's) without a container."""
+    if container.runtime == "none":
+        return None
+    if container.runtime == "pyxis":
+        return IMAGE_PYTHON
+    argv = ["apptainer", "exec"]
+    if gpus_per_node > 0 and (container.nv or container.rocm):
+        argv.append("--rocm" if container.rocm else "--nv")
+    if not container.mount_home:
+        argv.append("--no-home")
+    if container.writable:
+        argv.append("--writable-tmpfs")
+    for name in container.env:  # apptainer passes the environment on; these override the image's
+        argv += ["--env", f"{name}=${{{name}}}"]
+    argv += ["--bind", ",".join(m.spec() for m in mounts), "--pwd", container.workdir or os.getcwd(),
+             str(container.image), IMAGE_PYTHON]
+    return " ".join(a if a.startswith("--env") or "${" in a else shlex.quote(a) for a in argv)
+
+
+def setup_line(container: ContainerConfig) -> str:
+    """The job script's line that tells the ranks their image and the submitter's Switchyard
+    (``rank_check``)."""
+    version = own_version() or "unknown"
+    return f"export {IMAGE_ENV}={shlex.quote(str(container.image))} {VERSION_ENV}={version}"
+
+
+def own_version() -> str | None:
+    """The installed Switchyard's version (its distribution's metadata); None when not installed."""
+    try:
+        return importlib.metadata.version("switchyard")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def rank_check(environ: Mapping[str, str], from_snapshot: bool) -> str | None:
+    """On a rank: why it cannot run in its image, in one line; None when it can. Without the
+    snapshot (``cluster.snapshot.enabled=false``), the image's installed Switchyard runs, and must
+    be the submitter's version."""
+    image, submitted = environ.get(IMAGE_ENV), environ.get(VERSION_ENV)
+    if image is None or submitted in (None, "unknown") or from_snapshot:
+        return None
+    found = own_version()
+    if found is None or found == submitted:
+        return None  # not installed: imported from a mounted checkout, the submitter's own code
+    return (f"the image {image} has Switchyard {found} installed, the submitter has {submitted}: "
+            f"install Switchyard {submitted} in the image, or leave cluster.snapshot.enabled=true "
+            f"(the ranks then import the submitter's code from its snapshot)")
+
+
+def inside_image(environ: Mapping[str, str]) -> str:
+    """' in the image IMAGE' on a rank that runs in one, for its errors; else ''."""
+    image = environ.get(IMAGE_ENV)
+    return f" in the image {image}" if image else ""
+
+
+def is_local_file(image: str) -> bool:
+    return "://" not in image and "#" not in image and (
+        image.startswith(("/", "./", "~")) or image.endswith((".sif", ".sqsh", ".squashfs", ".img")))
+
+
+def check(container: ContainerConfig, dry_run: bool = False, srun_help: str | None = None) -> list[str]:
+    """Refuse (``ConfigError``) what would fail on every node; returns warnings to print. A dry run
+    only warns where the submitting machine lacks the runtime (its script is what is looked at)."""
+    if container.runtime == "none":
+        return []
+    check_image_file(container)
+    warnings = []
+    if container.runtime == "pyxis":
+        text = srun_help if srun_help is not None else _srun_help()
+        if "--container-image" not in text:
+            why = ("this cluster's srun has no --container-image option: pyxis (the SLURM plugin "
+                   "behind container=pyxis) is not installed")
+            if not dry_run:
+                raise invalid("container", "pyxis", why, "container=apptainer, or a cluster with pyxis")
+            warnings.append(f"container=pyxis: {why}; the script below would fail on it")
+    if container.runtime == "apptainer" and not (shutil.which("apptainer") or shutil.which("singularity")):
+        warnings.append("container=apptainer: neither apptainer nor singularity is on this machine's "
+                        "PATH; the job needs it on the nodes' PATH")
+    return warnings
+
+
+def check_image_file(container: ContainerConfig) -> None:
+    """A local image file that is not there: refused, naming it."""
+    image = str(container.image)
+    if is_local_file(image) and not Path(image).expanduser().is_file():
+        example = "/images/torch.sif" if container.runtime == "apptainer" else "/images/torch.sqsh"
+        raise invalid("cluster.container.image", image, "no such file on this machine",
+                      f"cluster.container.image=<an existing image file, e.g. {example}>")
+
+
+def _srun_help() -> str:
+    try:
+        return subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"container=pyxis needs srun to check for pyxis, which cannot run here "
+                          f"({e}): submit from a SLURM login node") from e
+
+
+def identity(container: ContainerConfig) -> dict[str, str | None] | None:
+    """What provenance records of the image: its runtime, name and its file's sha256 (a local file)
+    or the digest in its URI; None without a container."""
+    if container.runtime == "none":
+        return None
+    image = str(container.image)
+    digest = None
+    if is_local_file(image):
+        check_image_file(container)  # it is recorded before the other checks run
+        path = Path(image).expanduser().absolute()
+        stat = path.stat()
+        digest = file_digest(path, stat.st_size, stat.st_mtime_ns)
+    elif "@sha256:" in image:
+        digest = image[image.index("@") + 1:]
+    return {"runtime": container.runtime, "image": image, "digest": digest}
+
+
+@functools.lru_cache(maxsize=16)
+def file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """An image file's sha256, read once per submission for all the points of a sweep (the size
+    and time of last change are part of the key: a rebuilt image is read again)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"sha256:{h.hexdigest()}"
+
+
+def describe(found: dict[str, str | None] | None) -> str:
+    """One line: the image a run used."""
+    if not found:
+        return "none (the nodes' own Python)"
+    digest = found.get("digest") or "no digest (a tag can move: pin IMAGE@sha256:...)"
+    return f"{found.get('image')} ({found.get('runtime')}, {digest})"
+
+
+def warn(lines: Iterable[str]) -> None:
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr)

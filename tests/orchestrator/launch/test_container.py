@@ -1,0 +1,238 @@
+"""``container=pyxis|apptainer``: the srun line in the script the dry run prints (which is the one
+submitted: ``submit.sbatch_script`` renders the executor's own), the mounts derived from the config,
+and the refusals before submission. The run through a real (stand-in) runtime on the local SLURM
+cluster is in tests/slurm/test_container_job.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from jobs.train import container_paths, load_config
+from orchestrator.config import (
+    ClusterConfig,
+    ConfigError,
+    ContainerConfig,
+    ParallelismConfig,
+    register_configs,
+)
+from orchestrator.launch import container, submit
+from orchestrator.training import trainer
+
+register_configs()
+
+
+def srun_line(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
+              paths: list[tuple[str, str | Path | None]] = ()) -> list[str]:  # type: ignore[assignment]
+    executor = submit.make_executor(cluster, parallelism, run_dir / "submitit", None, paths)
+    [line] = [line for line in submit.sbatch_script(executor).splitlines() if line.startswith("srun ")]
+    return shlex.split(line)
+
+
+def slurm(box: ContainerConfig) -> ClusterConfig:
+    return ClusterConfig(mode="slurm", dry_run=True, container=box)
+
+
+def test_pyxis_puts_the_image_mounts_and_a_per_run_name_on_srun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    box = ContainerConfig(runtime="pyxis", image="nvcr.io#nvidia/pytorch:24.05-py3", env=["HF_TOKEN"])
+    argv = srun_line(slurm(box), ParallelismConfig(nodes=2, gpus_per_node=8), tmp_path / "run",
+                     [("data.path", data)])
+    assert "warning: container=pyxis: this cluster's srun has no --container-image" in capsys.readouterr().err
+    start = argv.index("--kill-on-bad-exit=1") + 1
+    assert argv[start:] == [
+        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+        # the submitting directory holds the run and the data here: one mount covers them
+        f"--container-mounts={tmp_path}:{tmp_path}",
+        f"--container-workdir={tmp_path}",
+        "--container-env=PYTHONPATH,PYTHONSAFEPATH,SWITCHYARD_SNAPSHOT,SWITCHYARD_IMAGE,"
+        "SWITCHYARD_SUBMITTED_VERSION,HF_TOKEN",
+        f"--container-name={container.container_name(tmp_path / 'run')}",
+        "--no-container-mount-home", "--container-readonly",
+        "python", "-u", "-m", "submitit.core._submit", str(tmp_path / "run" / "submitit")]
+    # a requeue (the same run directory) names the same container: pyxis imports the image once
+    assert container.container_name(tmp_path / "run") == container.container_name(tmp_path / "run")
+    assert container.container_name(tmp_path / "run") != container.container_name(tmp_path / "other")
+
+
+@pytest.mark.parametrize("gpus, flag", [(8, ["--nv"]), (0, [])])
+def test_apptainer_runs_the_images_python_with_nv_on_gpu_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              gpus: int, flag: list[str]) -> None:
+    cwd, data, image = tmp_path / "code", tmp_path / "data", tmp_path / "torch.sif"
+    for d in (cwd, data, tmp_path / "run"):
+        d.mkdir()
+    image.write_bytes(b"sif")
+    monkeypatch.chdir(cwd)
+    box = ContainerConfig(runtime="apptainer", image=str(image), mounts=[f"{tmp_path}/data:/ro:ro"])
+    argv = srun_line(slurm(box), ParallelismConfig(gpus_per_node=gpus), tmp_path / "run",
+                     [("data.path", data / "train"), ("checkpoint.dir", None)])
+    start = argv.index("--kill-on-bad-exit=1") + 1
+    binds = argv[start + 4 + len(flag)].split(",")
+    assert sorted(binds[:3]) == sorted(f"{p}:{p}" for p in (cwd, data, tmp_path / "run"))
+    assert binds[3:] == [f"{data}:/ro:ro"]  # the user's, after the derived ones
+    assert argv[start:] == ["apptainer", "exec", *flag, "--no-home", "--bind", ",".join(binds),
+                            "--pwd", str(cwd), str(image), "python", "-u", "-m", "submitit.core._submit",
+                            str(tmp_path / "run" / "submitit")]
+
+
+def test_every_path_the_train_config_names_is_mounted(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    places = {k: tmp_path / k for k in ("train", "eval", "cache", "ckpt", "elsewhere")}
+    for p in places.values():
+        p.mkdir()
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"sif")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = load_config(compose(config_name="train", overrides=[
+            "cluster=slurm", "container=apptainer", f"cluster.container.image={image}",
+            f"data.cache_dir={places['cache']}", f"checkpoint.dir={places['ckpt']}/new"]))
+    paths = trainer.DataPaths(train=str(places["train"]), eval=str(places["eval"]))  # data.path, eval_path
+    wanted = container_paths(cfg, paths, tmp_path / "run")
+    assert (places["ckpt"] / "new").is_dir()  # made, so it can be mounted
+    assert {key for key, _ in wanted} >= {"data.path", "data.eval_path", "data.cache_dir", "checkpoint.dir"}
+    monkeypatch.chdir(places["elsewhere"])  # the cwd no longer covers them: each is its own mount
+    mounts = container.needed(wanted)
+    assert {m.target for m in mounts} == {str(places[k]) for k in ("train", "eval", "cache")} | {
+        str(places["ckpt"] / "new")}
+    # not there yet: its nearest existing parent, never the root (that would replace the image's)
+    deeper = places["train"] / "a" / "b"
+    assert [m.target for m in container.needed([("data.path", deeper)])] == [str(places["train"])]
+    assert container.needed([("checkpoint.resume_from", "/no-such-dir-c38/step-4.pt")]) == []
+
+
+def refused(box: ContainerConfig, derived: list[container.Mount] = (), srun_help: str = "") -> str:  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as e:
+        container.check(box, srun_help=srun_help)
+        container.all_mounts(box, derived)
+    return str(e.value)
+
+
+def test_bad_container_values_are_refused_before_submission(tmp_path: Path) -> None:
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"sif")
+    assert refused(ContainerConfig(runtime="apptainer", image=str(tmp_path / "gone.sif"))).startswith(
+        f"cluster.container.image='{tmp_path}/gone.sif' is invalid: no such file on this machine")
+    assert "srun has no --container-image option: pyxis" in refused(
+        ContainerConfig(runtime="pyxis", image="ubuntu:24.04"), srun_help="Usage: srun [OPTIONS...]")
+    assert "its source /nonexistent does not exist" in refused(
+        ContainerConfig(runtime="apptainer", image=str(image), mounts=["/nonexistent:/x"]))
+    data = container.Mount(tmp_path / "data", str(tmp_path / "data"), why="data.path")
+    said = refused(ContainerConfig(runtime="apptainer", image=str(image), mounts=[f"{image}:{tmp_path}"]),
+                   [data])
+    assert f"its target {tmp_path} would hide {tmp_path}/data, which the job needs (data.path)" in said
+    for bad in ("/x;rm -rf ~", "$(id)", "a b", "#x"):
+        with pytest.raises(ConfigError, match=r"shell metacharacters are refused"):
+            ContainerConfig(runtime="apptainer", image=bad)
+    with pytest.raises(ConfigError, match=r"env\[0\]='A=1' is invalid: a variable name"):
+        ContainerConfig(runtime="pyxis", image="ubuntu", env=["A=1"])
+    with pytest.raises(ConfigError, match=r"container='apptainer' is invalid: a container runs the ranks "
+                                          r"of a SLURM job.*\(try cluster=slurm\)"):
+        ClusterConfig(mode="local", container=ContainerConfig(runtime="apptainer", image="x"))
+
+
+def test_a_missing_apptainer_is_a_warning_not_a_refusal(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submitting machine may lack it where the nodes have it."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    box = ContainerConfig(runtime="apptainer", image="docker://python:3.12")
+    assert container.check(box) == ["container=apptainer: neither apptainer nor singularity is on this "
+                                    "machine's PATH; the job needs it on the nodes' PATH"]
+
+
+def test_provenance_names_the_image_and_a_resume_under_another_is_refused(tmp_path: Path) -> None:
+    from orchestrator.launch import provenance
+    from orchestrator.training import resume
+    from orchestrator.training.checkpoint import CheckpointError
+
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"one image")
+    box = ContainerConfig(runtime="apptainer", image=str(image))
+    cluster = ClusterConfig(mode="slurm", container=box, snapshot=dataclasses.replace(
+        ClusterConfig().snapshot, enabled=False))
+    run = tmp_path / "run"
+    run.mkdir()
+    provenance.at_submission(cluster, [], run, "config: 1")
+    recorded = provenance.read(run)
+    digest = "sha256:" + hashlib.sha256(b"one image").hexdigest()
+    assert recorded is not None and recorded["image"] == {"runtime": "apptainer", "image": str(image),
+                                                          "digest": digest}
+    assert f"image: {image} (apptainer, {digest})" in provenance.lines(recorded)  # switchyard show
+    saved = provenance.for_checkpoint(run)
+    assert resume.check_code(saved, run / "step-1.pt", False, run) is None
+    image.write_bytes(b"another image")  # resubmitted under a rebuilt image
+    provenance.at_submission(cluster, [], run, "config: 1")
+    with pytest.raises(CheckpointError, match=rf"container image {digest} -> sha256:"):
+        resume.check_code(saved, run / "step-1.pt", False, run)
+    assert resume.check_code(saved, run / "step-1.pt", True, run) is not None  # allow_code_change
+
+
+def test_a_sweeps_points_share_one_array_with_the_sweep_dir_and_their_data_mounted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omegaconf import OmegaConf
+
+    from orchestrator.sweeps.arrays import Resources
+    from orchestrator.sweeps.points import Point, add_containers
+
+    monkeypatch.chdir(tmp_path)
+    image, sweep = tmp_path / "torch.sif", tmp_path / "multirun"
+    data = tmp_path.parent / f"{tmp_path.name}-data"
+    image.write_bytes(b"sif")
+    data.mkdir(exist_ok=True)
+    cluster = ClusterConfig(mode="slurm", container=ContainerConfig(runtime="apptainer", image=str(image)))
+    resources = Resources("slurm", submit.slurm_parameters(cluster, ParallelismConfig()), 3, 10, "cluster")
+    task_cfg = OmegaConf.create({"data": {"path": str(data)}})
+    points = [Point(num, [f"optim.lr={num}"], OmegaConf.create(), task_cfg, sweep / str(num), resources,
+                    True, None, cluster=cluster) for num in range(2)]
+    add_containers(points)
+    assert points[0].resources.key() == points[1].resources.key()  # one array
+    python = points[0].resources.params["python"]
+    assert python.startswith("apptainer exec --no-home --bind ")
+    assert sorted(python.split(" --bind ")[1].split(" ")[0].split(",")) == sorted(
+        [f"{tmp_path}:{tmp_path}", f"{data}:{data}"])  # the sweep dir is in the submitting one
+
+
+def test_an_installed_switchyard_in_the_image_must_be_the_submitters_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the snapshot the image's own Switchyard runs; with it, the snapshot's (the
+    submitter's code, whatever the image has installed)."""
+    env = {container.IMAGE_ENV: "/images/old.sif", container.VERSION_ENV: "0.2.0"}
+    monkeypatch.setattr(container, "own_version", lambda: "0.1.0")  # what the image has installed
+    assert container.rank_check(env, from_snapshot=False) == (
+        "the image /images/old.sif has Switchyard 0.1.0 installed, the submitter has 0.2.0: install "
+        "Switchyard 0.2.0 in the image, or leave cluster.snapshot.enabled=true (the ranks then import "
+        "the submitter's code from its snapshot)")
+    assert container.rank_check(env, from_snapshot=True) is None
+    assert container.rank_check({**env, container.VERSION_ENV: "0.1.0"}, from_snapshot=False) is None
+    assert container.rank_check({}, from_snapshot=False) is None  # no container
+
+
+def test_a_rank_refuses_an_image_whose_switchyard_differs_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(container.IMAGE_ENV, "/images/old.sif")
+    monkeypatch.setenv(container.VERSION_ENV, "9.9.9")
+    monkeypatch.delenv("SWITCHYARD_SNAPSHOT", raising=False)
+    with pytest.raises(submit.RankFailed, match=r"^the image /images/old.sif has Switchyard \S+ installed, "
+                                                r"the submitter has 9.9.9"):
+        submit.RankEntry(lambda: "ran")()
+
+
+def test_jobs_train_refuses_a_missing_image_in_one_line_and_queues_nothing(tmp_path: Path) -> None:
+    from train_helpers import CHEAP, run_train
+
+    proc = run_train("cluster=slurm", "cluster.dry_run=true", "container=apptainer",
+                     f"cluster.container.image={tmp_path}/gone.sif", *CHEAP, run_dir=tmp_path / "run",
+                     cache_dir=tmp_path / "cache")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: cluster.container.image='{tmp_path}/gone.sif' is invalid: no such file on this machine "
+        "(try cluster.container.image=<an existing image file, e.g. /images/torch.sif>)")
+    assert "#SBATCH" not in proc.stdout
