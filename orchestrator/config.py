@@ -157,7 +157,8 @@ class ParallelismConfig:
     # fsdp: FSDP2 (fully_shard) shards parameters, gradients and optimizer state over the ranks.
     strategy: str = "ddp"
     # fsdp: the modules sharded (and all-gathered) one at a time, by class name; empty: the
-    # model's own fsdp_units() (the built-in models shard each block).
+    # model's own fsdp_units() (the built-in models shard each block), else the classes it names
+    # in _no_split_modules (a Hugging Face model's blocks).
     fsdp_units: list[str] = field(default_factory=list)
     fsdp_reduce_dtype: str = "fp32"  # fsdp with memory.amp=bf16: dtype of the gradient reduce-scatter
 

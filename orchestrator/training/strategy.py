@@ -36,21 +36,36 @@ from torch.distributed.tensor import DTensor
 from orchestrator.config import ConfigError, MemoryConfig, ParallelismConfig
 from orchestrator.training import runtime
 from orchestrator.training.runtime import Runtime
+from orchestrator.training.step import loads_weights
 
 
 def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     """The modules fsdp shards one by one, innermost first (nested units before their parents).
 
     ``class_names`` (``parallelism.fsdp_units``): every module of one of these classes (plain or
-    dotted name); empty: the model's own ``fsdp_units()``. Raises ConfigError, naming the model and
+    dotted name); empty: the model's own ``fsdp_units()``, else every module of the classes the
+    model names in ``_no_split_modules`` (a Hugging Face model's blocks: ``["GPT2Block"]``, what
+    accelerate and HF's own FSDP integration shard by). Raises ConfigError, naming the model and
     the fix, when that gives nothing to shard: the whole model would be all-gathered at once, so
     every GPU would hold all its parameters, which is ddp's memory with more traffic.
     """
+    return _units(model, class_names)[0]
+
+
+def describe_units(model: nn.Module, class_names: list[str]) -> str:
+    """What ``shard_units`` chose and why, for the rank log: ``fsdp: 2 units of GPT2Block (the
+    model's _no_split_modules)``."""
+    units, source = _units(model, class_names)
+    classes = ", ".join(sorted({type(m).__name__ for m in units}))
+    return f"fsdp: {len(units)} unit{'s' * (len(units) != 1)} of {classes} ({source}), then the root"
+
+
+def _units(model: nn.Module, class_names: list[str]) -> tuple[list[nn.Module], str]:
+    """-> (the units, innermost first; where their choice came from)."""
     name = f"{type(model).__module__}.{type(model).__qualname__}"
+    no_split = no_split_modules(model)
     if class_names:
-        wanted = set(class_names)
-        units = [m for m in model.modules() if m is not model and
-                 (type(m).__name__ in wanted or f"{type(m).__module__}.{type(m).__qualname__}" in wanted)]
+        units, source = _of_classes(model, class_names), f"parallelism.fsdp_units={class_names}"
         if not units:
             classes = sorted({type(m).__name__ for m in model.modules()})
             raise ConfigError(f"parallelism.fsdp_units={class_names} is invalid: model {name} has no "
@@ -58,6 +73,9 @@ def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
                               f"parallelism.fsdp_units=[<the class of one block>])")
     elif callable(getattr(model, "fsdp_units", None)):
         units = list(model.fsdp_units())  # type: ignore[operator]  # checked callable above
+        source = "the model's fsdp_units()"
+    elif no_split and (units := _of_classes(model, no_split)):
+        source = "the model's _no_split_modules"
     else:
         raise ConfigError(f"parallelism.strategy='fsdp' has nothing to shard in model {name}: give it "
                           f"an fsdp_units() method returning its blocks, or name their class (try "
@@ -66,7 +84,25 @@ def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
         raise ConfigError(f"parallelism.strategy='fsdp' has nothing to shard in model {name}: its "
                           f"units hold no parameters (try parallelism.strategy=ddp)")
     order = {id(m): depth for depth, m in enumerate(model.modules())}
-    return sorted(units, key=lambda m: -order[id(m)])  # children come after parents in modules()
+    return sorted(units, key=lambda m: -order[id(m)]), source  # children come after parents in modules()
+
+
+def no_split_modules(model: nn.Module) -> list[str]:
+    """The block classes a model names in ``_no_split_modules``, its own and its submodules' (a
+    wrapper around a Hugging Face model, or a model holding two), in the order first named."""
+    names: dict[str, None] = {}
+    for module in model.modules():
+        for class_name in getattr(module, "_no_split_modules", None) or []:
+            if isinstance(class_name, str):
+                names[class_name] = None
+    return list(names)
+
+
+def _of_classes(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """Every module but the root whose class is one of ``class_names`` (plain or dotted names)."""
+    wanted = set(class_names)
+    return [m for m in model.modules() if m is not model and
+            (type(m).__name__ in wanted or f"{type(m).__module__}.{type(m).__qualname__}" in wanted)]
 
 
 def mixed_precision(memory: MemoryConfig, parallelism: ParallelismConfig) -> MixedPrecisionPolicy:
@@ -131,13 +167,19 @@ class Fsdp(Ddp):
         model would otherwise need 8 x 28 GB of host RAM just to start.
 
         A model with non-persistent buffers (not in its state dict, so rank 0 cannot send them) is
-        built whole on every rank instead."""
+        built whole on every rank instead, and so is a model whose factory loads its weights
+        (``from_pretrained`` refuses the meta device): each rank reads them on the host."""
         if self.rt.env.world_size == 1:
             return self.wrap(builder())
         full = builder().state_dict() if self.rt.is_main else {}
         after = torch.get_rng_state()
-        with torch.device("meta"):
-            model = builder()
+        try:
+            with torch.device("meta"):
+                model = builder()
+        except RuntimeError as e:  # every rank runs the same factory: all of them land here
+            if not loads_weights(e):
+                raise
+            return self.wrap(builder())
         # every rank leaves with the random state one host build leaves, as every rank does under ddp
         box = [after if self.rt.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -154,6 +196,8 @@ class Fsdp(Ddp):
         if isinstance(model, nn.DataParallel):
             model = model.module
         mesh = init_device_mesh(self.rt.device.type, (self.rt.env.world_size,))
+        if self.rt.is_main:
+            print(describe_units(model, self.unit_classes), flush=True)
         for unit in shard_units(model, self.unit_classes):
             fully_shard(unit, mesh=mesh, mp_policy=self.policy)
         fully_shard(model, mesh=mesh, mp_policy=self.policy)  # the root: what no unit holds

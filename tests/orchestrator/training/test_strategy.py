@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from orchestrator.config import (
     ParallelismConfig,
     TrainConfig,
 )
-from orchestrator.training.strategy import Fsdp, checksum, mixed_precision, shard_units
+from orchestrator.training.strategy import Fsdp, checksum, describe_units, mixed_precision, shard_units
 
 
 def test_the_built_in_models_shard_each_block() -> None:
@@ -55,6 +55,34 @@ def test_a_model_with_nothing_to_shard_is_refused_naming_the_fix() -> None:
         shard_units(Outer(), ["Block"])
     with pytest.raises(ConfigError, match="its units hold no parameters"):
         shard_units(nn.Sequential(nn.Sequential(nn.ReLU())), ["ReLU"])
+
+
+class NamesItsBlocks(Outer):
+    """As a Hugging Face model names its blocks (``GPT2LMHeadModel._no_split_modules``: a set)."""
+
+    _no_split_modules: ClassVar[set[str]] = {"Leaf"}
+
+
+class HoldsAnHfModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = NamesItsBlocks()
+
+
+@pytest.mark.parametrize("build", [NamesItsBlocks, HoldsAnHfModel])
+def test_a_model_naming_no_split_modules_is_sharded_per_block_of_its_classes(build: type[nn.Module]) -> None:
+    """Without parallelism.fsdp_units it was refused as having nothing to shard."""
+    model = build()
+    leaves = [m for m in model.modules() if isinstance(m, Leaf)]
+    assert set(map(id, shard_units(model, []))) == set(map(id, leaves))
+    assert describe_units(model, []) == "fsdp: 2 units of Leaf (the model's _no_split_modules), then the root"
+
+
+def test_fsdp_units_named_in_the_config_win_over_no_split_modules() -> None:
+    model = NamesItsBlocks()
+    assert shard_units(model, ["Sequential"]) == [model.inner]
+    assert describe_units(model, ["Sequential"]) == \
+        "fsdp: 1 unit of Sequential (parallelism.fsdp_units=['Sequential']), then the root"
 
 
 def test_amp_bf16_is_fsdps_policy_bf16_parameters_fp32_reduction_unless_set() -> None:
