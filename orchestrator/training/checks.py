@@ -18,7 +18,7 @@ from orchestrator.config import ConfigError, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
 from orchestrator.training import estimate, resume, run_log, strategy
 from orchestrator.training.eval_data import check_eval_matches
-from orchestrator.training.step import build_model
+from orchestrator.training.step import build_model, build_model_on_meta
 from orchestrator.training.tasks import Batch, Task, build_task
 from orchestrator.training.trainer import DataPaths
 from sharding import DatasetError, ShardedDataset, open_dataset
@@ -106,12 +106,12 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
     """The constructor takes its config, fsdp finds units to shard, and one real batch of the
     training data (``data.batch_size`` samples, as few as it holds) goes through the model and the
     task's loss in train mode. On the meta device: no weights are allocated, no arithmetic is
-    done, and shapes are checked as on the ranks. Whatever the model raises is one refusal naming
-    it: a new exception type (an AttributeError) was a traceback."""
+    done, and shapes are checked as on the ranks. A factory that loads weights (``from_pretrained``
+    refuses the meta device) is built on the host and run on two samples. Whatever the model
+    raises is one refusal naming it: a new exception type (an AttributeError) was a traceback."""
     kwargs = task.model_kwargs(train)
     try:
-        with torch.device("meta"):
-            model = build_model(cfg.model, kwargs, cfg.memory)
+        model = build_model_on_meta(cfg.model, kwargs, cfg.memory)
     except ConfigError:
         raise  # a ValueError too: build_model's own refusal, already one line
     except (RuntimeError, ValueError, OverflowError) as e:  # model.hidden_dim=-1: torch refuses it
@@ -122,6 +122,14 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
                           f"{first} (fix the model.* value)") from e
     if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
         strategy.shard_units(model, cfg.parallelism.fsdp_units)
+    if any(not p.is_meta for p in model.parameters()):  # its factory loaded weights: two samples
+        example = example_batch(task, train, min(cfg.data.batch_size, CPU_EXAMPLE_SAMPLES))
+        try:
+            return run_example(task, model, example)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise refused(cfg, example, e) from e
     example = example_batch(task, train, cfg.data.batch_size)
     try:
         run_example(task, model, {k: v.to("meta") if k in task.fields() else v for k, v in example.items()})

@@ -313,8 +313,7 @@ def categorise(snapshot: dict[str, int], buckets: int, on_gpu: bool = False) -> 
 
 def state_bytes(cfg: TrainConfig, kwargs: dict[str, Any]) -> int:
     """Bytes of the model's trainable parameters (built on the meta device: nothing allocated)."""
-    with torch.device("meta"):
-        model = step.build_model(cfg.model, kwargs, cfg.memory)
+    model = step.build_model_on_meta(cfg.model, kwargs, cfg.memory)
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 

@@ -48,6 +48,25 @@ def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig)
     return model
 
 
+def build_model_on_meta(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig) -> nn.Module:
+    """``build_model`` on the meta device: the structure, no weights allocated. A factory that
+    loads weights refuses it (transformers' ``from_pretrained``: "You are using `from_pretrained`
+    with a meta device context manager"), so it is built on the host instead: its weights are read,
+    and held once here while the caller runs."""
+    try:
+        with torch.device("meta"):
+            return build_model(spec, dataset_kwargs, memory)
+    except RuntimeError as e:
+        if not loads_weights(e):
+            raise
+    return build_model(spec, dataset_kwargs, memory)
+
+
+def loads_weights(error: BaseException) -> bool:
+    """Whether ``error`` is a model factory refusing the meta device because it loads weights."""
+    return isinstance(error, RuntimeError) and "from_pretrained" in str(error) and "meta" in str(error)
+
+
 def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

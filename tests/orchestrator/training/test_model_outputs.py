@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from rank_helpers import write_rows_dataset
+from train_helpers import CHEAP, run_train
 
 from orchestrator.config import (
     CausalLmTaskConfig,
@@ -109,16 +110,14 @@ def test_a_dict_output_trains_to_the_same_losses_as_the_tensor(rank: runtime.Run
     assert losses[0] == losses[1] and len(losses[0][0]) == 4
 
 
-HF_FACTORY = '''
+RECIPES = Path(__file__).resolve().parents[3] / "docs" / "recipes"
+LOGITS_WRAPPER = '''
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from hf_causal_lm import gpt2
 
 
-def gpt2(vocab_size, seq_len, wrap=False):
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=32,
-                                       n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    return Logits(model) if wrap else model
+def wrapped_gpt2(vocab_size, seq_len):
+    return Logits(gpt2(vocab_size, seq_len))
 
 
 class Logits(torch.nn.Module):
@@ -136,20 +135,63 @@ class Logits(torch.nn.Module):
 def test_a_raw_hugging_face_causal_lm_trains_as_its_logits_wrapper_does(data: dict[str, str],
                                                                         tmp_path: Path) -> None:
     """It ended before submission with a Hydra traceback: AttributeError:
-    'CausalLMOutputWithCrossAttentions' object has no attribute 'float'."""
+    'CausalLMOutputWithCrossAttentions' object has no attribute 'float'. Under fsdp, with no
+    parallelism.fsdp_units, it was refused as having nothing to shard: GPT-2 names its blocks in
+    _no_split_modules, and fsdp now shards per GPT2Block (2 gloo ranks), to ddp's losses."""
     pytest.importorskip("transformers")
-    (tmp_path / "hfmodels.py").write_text(HF_FACTORY)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    (tmp_path / "hfwrap.py").write_text(LOGITS_WRAPPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(RECIPES),
+                                                        os.environ.get("PYTHONPATH", "")])}
     losses = []
-    for name, extra in (("raw", []), ("wrapped", ["+model.wrap=true"])):
+    for name, extra in (("raw", ["model._target_=hf_causal_lm.gpt2"]),
+                        ("wrapped", ["model._target_=hfwrap.wrapped_gpt2"]),
+                        ("fsdp", ["model._target_=hf_causal_lm.gpt2", "parallelism.strategy=fsdp"])):
         proc = subprocess.run(
             [sys.executable, "-m", "jobs.train", "task=causal_lm", "model=custom",
-             "model._target_=hfmodels.gpt2", *extra, f"data.path={data['causal_lm']}",
+             *extra, f"data.path={data['causal_lm']}",
              "task.vocab_size=50", "data.seq_len=8", "data.batch_size=4", "optim.max_steps=6",
-             "deterministic=true", "logger=jsonl", "log_every_steps=1", f"hydra.run.dir={tmp_path / name}"],
+             "deterministic=true", "logger=jsonl", "log_every_steps=1", *CHEAP,
+             f"hydra.run.dir={tmp_path / name}"],
             capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         done = json.loads((tmp_path / name / "summary.json").read_text())
         assert done["world_size"] == 2 and done["steps"] == 6
         losses.append(done["final_train_loss"])
     assert losses[0] == losses[1]
+    # 1e-5 relative: the same arithmetic, reduced in another order (as tests/jobs/test_fsdp.py)
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
+    logs = "".join(p.read_text() for p in (tmp_path / "fsdp" / "submitit").glob("*_log.out"))
+    assert "fsdp: 2 units of GPT2Block (the model's _no_split_modules), then the root" in logs
+
+
+def test_a_pretrained_directory_fine_tunes_checkpoints_and_resumes(data: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """``AutoModelForCausalLM.from_pretrained(dir)`` (hf_causal_lm.pretrained) refuses the meta
+    device the model check and fsdp's other ranks built on: "You are using `from_pretrained` with a
+    meta device context manager". Saved with zero token embeddings (tied to the head), its first
+    loss is ln(50) exactly, which a fresh model's is not: the saved weights are the ones trained."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_positions=8, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+    torch.nn.init.zeros_(model.transformer.wte.weight)
+    model.save_pretrained(tmp_path / "pretrained")
+    env = {"PYTHONPATH": os.pathsep.join([str(RECIPES), os.environ.get("PYTHONPATH", "")])}
+
+    def train(steps: int, *extra: str) -> dict[str, Any]:
+        proc = run_train("task=causal_lm", "model=custom", "model._target_=hf_causal_lm.pretrained",
+                         f"+model.path={tmp_path / 'pretrained'}", f"data.path={data['causal_lm']}",
+                         "task.vocab_size=50", "data.seq_len=8", "data.batch_size=4", "log_every_steps=1",
+                         f"optim.max_steps={steps}", "checkpoint.every_steps=2", *CHEAP, *extra,
+                         run_dir=tmp_path / "run", env=env)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+    first = train(4, "parallelism.strategy=fsdp")
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train_loss"] for m in metrics if m.get("step") == 1] == [pytest.approx(np.log(50), rel=1e-6)]
+    assert first["world_size"] == 2 and first["steps"] == 4
+    resumed = train(6, "parallelism.strategy=fsdp")
+    assert resumed["resumed_from"]["step"] == 4 and resumed["steps"] == 6
+    assert len(set(resumed["param_checksum_per_rank"])) == 1
