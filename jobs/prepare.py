@@ -13,6 +13,9 @@ Inputs (``format=auto`` tells them apart by path):
   attributes name the tokenizer, whose ``tokenizer.json`` (if any) the dataset ships.
 - ``image_folder``: ``DIR/<class>/*.png|jpg|jpeg|npy`` -> ``x`` uint8 ``[C, H, W]`` and ``y`` int64,
   the class names in the manifest's attributes (``jobs/image_folder.py``).
+- ``hf``: a Hugging Face dataset (``save_to_disk`` directory, ``.parquet``, ``.jsonl`` by columns)
+  through the ``datasets`` library: ``text_field=`` tokenized as text, or ``fields=`` and
+  ``label_field=`` as arrays, one ``split=`` (``jobs/hf_dataset.py``).
 
 ``labels=FILE.npy`` adds field ``y`` to a ``npy_dir`` input, one label per file.
 
@@ -42,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm import tqdm
 
+from jobs import hf_dataset
 from jobs.image_folder import (
     check_same_shape,
     list_images,
@@ -147,6 +151,7 @@ _EXPECTED = {
     "megatron": "a Megatron prefix P with P.bin and P.idx",
     "text": "a .txt or .jsonl file, or with format=text a directory of text documents",
     "image_folder": "a directory of class folders of images, DIR/<class>/*.png|jpg|jpeg|npy",
+    "hf": "a Hugging Face dataset: a save_to_disk directory, a .parquet file, or with format=hf a .jsonl",
 }
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -186,10 +191,11 @@ def _as_megatron_prefix(path: Path) -> Path | None:
 
 
 # format=auto tries these in order: an image folder before a .npy directory (both directories).
-_AUTO = {"image_folder": _as_image_folder, "npy_dir": _as_npy_dir, "pt": _as_pt,
-         "megatron": _as_megatron_prefix, "text": _as_text}
-# An explicit format takes what auto would not guess: any directory as text or an image folder.
-_EXPLICIT = {**_AUTO, "text": _as_text_or_dir, "image_folder": _as_dir}
+_AUTO = {"hf": hf_dataset.as_hf, "image_folder": _as_image_folder, "npy_dir": _as_npy_dir,
+         "pt": _as_pt, "megatron": _as_megatron_prefix, "text": _as_text}
+# An explicit format takes what auto would not guess: any directory as text or an image folder, a
+# .jsonl by columns.
+_EXPLICIT = {**_AUTO, "text": _as_text_or_dir, "image_folder": _as_dir, "hf": hf_dataset.as_hf_explicit}
 
 
 def open_source(kind: str, path: Path, cfg: PrepareConfig) -> Source:
@@ -203,6 +209,8 @@ def open_source(kind: str, path: Path, cfg: PrepareConfig) -> Source:
         return open_pt(path, cfg.field)
     if kind == "text":
         return open_text(path, cfg)
+    if kind == "hf":
+        return open_hf(path, cfg)
     return open_megatron(path, cfg.field)
 
 
@@ -211,8 +219,16 @@ def check_keys_apply(kind: str, cfg: PrepareConfig) -> None:
     otherwise do nothing, silently."""
     text_only = {"tokenizer": cfg.tokenizer != "bytes", "tokenizer_vocab": cfg.tokenizer_vocab
                  is not None, "eos_token": cfg.eos_token is not None, "skip_bad": cfg.skip_bad}
+    hf_only = {"text_field": cfg.text_field is not None, "fields": bool(cfg.fields),
+               "label_field": cfg.label_field is not None, "split": cfg.split is not None}
+    for key, is_set in hf_only.items():
+        if is_set and kind != "hf":
+            raise invalid(key, getattr(cfg, key), f"is only read for Hugging Face datasets "
+                                                  f"(format=hf), and input={cfg.input!r} is {kind}",
+                          f"format=hf, or drop {key}")
     for key, is_set in text_only.items():
-        if is_set and kind != "text":
+        if is_set and not (kind == "text" or (kind == "hf" and cfg.text_field is not None
+                                              and key != "skip_bad")):
             raise invalid(key, getattr(cfg, key), f"is only read for text inputs, and input="
                                                   f"{cfg.input!r} is {kind}",
                           f"format=text, or drop {key}")
@@ -533,6 +549,30 @@ def open_text(path: Path, cfg: PrepareConfig) -> Source:
                   lambda k: f"document {count.current}", files, attributes, corpus.skipped_note)
 
 
+def open_hf(path: Path, cfg: PrepareConfig) -> Source:
+    """One split of a Hugging Face dataset: its text column tokenized, or its columns as arrays.
+    The split, the columns and the first row are checked before any output exists."""
+    table = hf_dataset.open_table(path, cfg.split)
+    hf_dataset.check_columns(table, cfg)
+    hf_dataset.check_first_row(table, cfg)
+    if cfg.text_field is not None:
+        corpus = hf_dataset.RowCorpus(table, cfg.text_field)
+        tokenizer = text_tokenizer(cfg, corpus, table.num_rows)
+        count = TokenCount()
+
+        def attributes() -> dict[str, Any]:
+            return {"tokenizer": tokenizer.attributes(), "num_documents": count.num_documents,
+                    "num_tokens": count.num_tokens, "max_token_id": count.max_token_id}
+
+        files = {} if tokenizer.json_bytes is None else {TOKENIZER_FILE: tokenizer.json_bytes}
+        return Source("hf", path, table.num_rows, lambda stack: token_samples(corpus, tokenizer, count),
+                      lambda k: f"row {k}", files, attributes)
+    classes = hf_dataset.classes(table, cfg.label_field)
+    return Source("hf", path, table.num_rows,
+                  lambda stack: hf_dataset.row_samples(table, list(cfg.fields), cfg.label_field),
+                  lambda k: f"row {k}", attributes=lambda: {"classes": classes} if classes else {})
+
+
 def text_tokenizer(cfg: PrepareConfig, corpus: Corpus, num_documents: int) -> TextTokenizer:
     if cfg.tokenizer == "bytes":
         return bytes_tokenizer()
@@ -589,6 +629,8 @@ def input_bytes(kind: str, path: Path) -> int:
     if kind == "image_folder":  # a lower bound: compressed images decode to more
         _, items, _ = list_images(path)
         return sum(f.stat().st_size for f, _ in items)
+    if kind == "hf" and path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*.arrow"))
     if path.is_dir():
         return sum(f.stat().st_size for f in path.glob("*.npy"))
     return path.stat().st_size

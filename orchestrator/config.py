@@ -555,7 +555,7 @@ def _check_sbatch_value(key: str, value: str | None, allowed: re.Pattern[str]) -
 # jobs.prepare
 
 
-PREPARE_FORMATS = ("auto", "npy_dir", "pt", "megatron", "text", "image_folder")
+PREPARE_FORMATS = ("auto", "npy_dir", "pt", "megatron", "text", "image_folder", "hf")
 
 
 @dataclass
@@ -564,9 +564,10 @@ class PrepareConfig:
 
     input: str = MISSING  # .npy directory, .pt file, Megatron prefix, text corpus or image folder
     output: str = MISSING  # the dataset directory to create; must not exist unless overwrite=true
-    # auto | npy_dir | pt | megatron | text | image_folder (auto: detected from the input path;
-    # a .txt or .jsonl file is text, a directory of class folders of images is image_folder; a
-    # directory of text documents needs format=text)
+    # auto | npy_dir | pt | megatron | text | image_folder | hf (auto: detected from the input
+    # path; a .txt or .jsonl file is text, a directory of class folders of images is image_folder,
+    # a save_to_disk directory or a .parquet file is hf; a directory of text documents needs
+    # format=text, a .jsonl read by columns format=hf)
     format: str = "auto"
     shard_bytes: int = 256 * 2**20  # a shard's data file is rolled over at this size; no 4 GiB cap
     field: str = "x"  # field name given to samples that are a bare array (npy, megatron, list of tensors)
@@ -578,6 +579,12 @@ class PrepareConfig:
     eos_token: str | None = None  # tokenizer=PATH: its EOS token; null: the first usual one it has
     skip_bad: bool = False  # text: skip (and count) documents that are not UTF-8, instead of refusing
     labels: str | None = None  # npy_dir: a .npy of one label per file (sorted order), stored as y
+    # hf (a save_to_disk directory, .parquet, or .jsonl with format=hf): the column tokenized as
+    # text; or the columns stored as fields of the same names, and the one stored as labels y
+    text_field: str | None = None
+    fields: list[str] = dataclasses.field(default_factory=list)
+    label_field: str | None = None
+    split: str | None = None  # hf: the split of a saved DatasetDict (needed when it has several)
 
     def __post_init__(self) -> None:
         check_ints(self)
