@@ -18,7 +18,8 @@ from sharding import open_dataset
 
 datasets = pytest.importorskip("datasets")
 
-ROWS = [{"text": f"row {i} says hello", "feats": [float(i), i / 2.0, -1.0], "label": i % 3}
+# feats: one row of 3 features ([rows, features], what task=classify's row models read)
+ROWS = [{"text": f"row {i} says hello", "feats": [[float(i), i / 2.0, -1.0]], "label": i % 3}
         for i in range(10)]
 
 
@@ -30,7 +31,7 @@ def _config(input_path: Path, output: Path, **kwargs: Any) -> PrepareConfig:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DatasetDict with train/test splits, label a ClassLabel, as save_to_disk writes it."""
     features = datasets.Features({"text": datasets.Value("string"),
-                                  "feats": datasets.Sequence(datasets.Value("float32")),
+                                  "feats": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
                                   "label": datasets.ClassLabel(names=["cat", "dog", "eel"])})
     table = datasets.Dataset.from_list(ROWS, features=features)
     path = tmp_path_factory.mktemp("hf") / "saved"
@@ -45,7 +46,7 @@ def test_a_saved_split_becomes_fields_and_labels_with_its_class_names(saved: Pat
     assert result.num_samples == len(ds) == 8
     assert ds.manifest.attributes["classes"] == ["cat", "dog", "eel"]
     feats, label = np.asarray(ds[5]["feats"]), np.asarray(ds[5]["y"])
-    assert feats.dtype == np.float32 and feats.tolist() == [5.0, 2.5, -1.0]
+    assert feats.dtype == np.float32 and feats.tolist() == [[5.0, 2.5, -1.0]]
     assert label.dtype == np.int64 and int(label) == 2
     test = prepare(_config(saved, tmp_path / "test", fields=["feats"], label_field="label", split="test"))
     assert test.num_samples == 2
@@ -65,7 +66,8 @@ def test_a_multi_column_jsonl_is_read_by_columns_with_format_hf(tmp_path: Path) 
     prepare(_config(tmp_path / "rows.jsonl", tmp_path / "out", format="hf", fields=["feats"],
                     label_field="label"))
     ds = open_dataset(tmp_path / "out")
-    assert len(ds) == 10 and np.asarray(ds[9]["feats"]).tolist() == [9.0, 4.5, -1.0] and int(ds[9]["y"]) == 0
+    assert len(ds) == 10 and np.asarray(ds[9]["feats"]).tolist() == [[9.0, 4.5, -1.0]]
+    assert int(ds[9]["y"]) == 0
     assert "classes" not in ds.manifest.attributes  # plain integers name no classes
 
 
@@ -108,3 +110,42 @@ def test_the_command_prints_one_error_line_for_a_wrong_split(saved: Path, tmp_pa
         f"jobs.prepare: error: split='dev' is invalid: input={str(saved)!r} has splits ['train', 'test'] "
         f"(try split=train)"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "classify"])
+def test_what_format_hf_prepares_trains(saved: Path, tmp_path: Path, task: str) -> None:
+    """Parquet text to causal_lm (its vocabulary from the recorded tokenizer); a saved split's
+    fields and ClassLabel to classify (its classes from the dataset): both train, in one rank."""
+    from rank_helpers import one_rank
+
+    from orchestrator.config import (
+        CausalLmTaskConfig,
+        ClassifyTaskConfig,
+        DataConfig,
+        LoggerConfig,
+        OptimConfig,
+        TelemetryConfig,
+        TrainConfig,
+    )
+    from orchestrator.training import checks, trainer
+
+    data = tmp_path / "data"
+    if task == "causal_lm":
+        datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "rows.parquet"))
+        prepare(_config(tmp_path / "rows.parquet", data, text_field="text"))
+        model: dict[str, Any] = {"_target_": "jobs.models.GPT", "d_model": 16, "num_heads": 2,
+                                 "num_layers": 1}
+        task_config: Any = CausalLmTaskConfig()
+    else:
+        prepare(_config(saved, data, fields=["feats"], label_field="label", split="train"))
+        model, task_config = {"_target_": "jobs.models.RowPoolingMLP", "hidden_dim": 8}, ClassifyTaskConfig()
+    cfg = TrainConfig(model=model, task=task_config, data=DataConfig(path=str(data), seq_len=8, batch_size=2,
+                                                                     input_field="feats"),
+                      optim=OptimConfig(max_steps=2), logger=LoggerConfig(tensorboard=False),
+                      telemetry=TelemetryConfig(enabled=False))
+    paths = trainer.DataPaths(str(data), str(data))
+    checks.check_before_submit(cfg, paths)
+    (tmp_path / "run").mkdir()
+    with one_rank(tmp_path) as rank:
+        done = trainer.Trainer(cfg, paths, tmp_path / "run", rank).run()
+    assert done["steps"] == 2 and np.isfinite(done["final_eval_loss"])
