@@ -627,13 +627,47 @@ class PrepareConfig:
 AMP_MODES = ("none", "bf16", "fp16")
 ESTIMATE_MODES = ("check", "warn", "off")
 OPTIMIZERS = ("adamw", "sgd")
+# optim.implementation: auto is fused on CUDA (where torch has the kernel), foreach elsewhere
+OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCHEDULES = ("constant", "cosine", "linear")
 ON_NONFINITE = ("stop", "skip")
 POLICIES = ("pad", "drop")
 
 
 @dataclass
-class MlpConfig:
+class ModelCompileConfig:
+    """``model.compile*``: torch.compile per block (training/compiling.py). Every built-in model
+    schema holds these keys; ``model=custom`` takes them too (``+model.compile=true``). They are
+    never passed to the model's constructor."""
+
+    compile: bool = False  # torch.compile each fsdp unit (block), else the whole model, in place
+    compile_fullgraph: bool = True  # a graph break inside a block is an error, not a silent split
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_backend: str = "inductor"  # inductor | aot_eager | eager (the last two: for debugging)
+    compile_dynamic: bool | None = None  # None: a dim is made dynamic once it changed; true/false: forced
+    # Recompiles of one block past this fail the run naming the guard that failed (torch's own
+    # limit is 8; each recompile is logged with its reason). A train and an eval graph are 2.
+    compile_recompile_limit: int = 8
+
+    def __post_init__(self) -> None:
+        check_compile(self)
+
+
+def check_compile(spec: Any) -> None:
+    """``model.compile*`` of a schema or of ``model=custom``'s mapping."""
+    get = spec.get if isinstance(spec, dict) else lambda key, default: getattr(spec, key, default)
+    mode, limit = get("compile_mode", "default"), get("compile_recompile_limit", 8)
+    if mode not in COMPILE_MODES:
+        raise invalid("model.compile_mode", mode, f"choose one of {COMPILE_MODES}",
+                      "model.compile_mode=default")
+    if not isinstance(limit, int) or limit < 1:
+        raise invalid("model.compile_recompile_limit", limit, "must be >= 1",
+                      "model.compile_recompile_limit=8")
+
+
+@dataclass
+class MlpConfig(ModelCompileConfig):
     """Row-pooling MLP: embeds each row, masked mean over rows, then an MLP head."""
 
     _target_: str = "jobs.models.RowPoolingMLP"
@@ -642,7 +676,7 @@ class MlpConfig:
 
 
 @dataclass
-class GptConfig:
+class GptConfig(ModelCompileConfig):
     """A decoder-only transformer for task=causal_lm: causal attention, tied embeddings."""
 
     _target_: str = "jobs.models.GPT"
@@ -654,6 +688,7 @@ class GptConfig:
 
     def __post_init__(self) -> None:
         check_floats(self, "model.")
+        check_compile(self)
 
 
 @dataclass
@@ -680,7 +715,7 @@ class CausalLmTaskConfig:
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(ModelCompileConfig):
     """A small transformer encoder over the rows of a sample, masked mean-pooled."""
 
     _target_: str = "jobs.models.RowTransformer"
@@ -692,6 +727,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         check_floats(self, "model.")
+        check_compile(self)
 
 
 @dataclass
@@ -753,9 +789,16 @@ class OptimConfig:
     # with no host read on other steps). skip: that step's update is skipped on every rank (one
     # host read per step), and the run fails once log_every_steps steps in a row were skipped.
     on_nonfinite: str = "stop"
+    # The optimizer's kernels: fused (one kernel for all parameters), foreach (a few per parameter
+    # group) or for-loop (one parameter at a time). auto: fused on CUDA, foreach elsewhere. The same
+    # maths, so a checkpoint resumes under any of them.
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
         check_floats(self, "optim.")
+        if self.implementation not in OPTIM_IMPLEMENTATIONS:
+            raise invalid("optim.implementation", self.implementation,
+                          f"choose one of {OPTIM_IMPLEMENTATIONS}", "optim.implementation=auto")
         if self.name not in OPTIMIZERS:
             raise invalid("optim.name", self.name, f"choose one of {OPTIMIZERS}", "optim.name=adamw")
         if self.schedule not in SCHEDULES:
@@ -887,6 +930,11 @@ class TrainConfig:
                           "parameters inside forward and backward, so one rank running out of memory "
                           "there would leave the others waiting in a collective",
                           "memory.auto_microbatch=false, or parallelism.strategy=ddp")
+        if self.memory.auto_microbatch and self.model != MISSING and group_dict(self.model).get("compile"):
+            raise invalid("memory.auto_microbatch", True, "model.compile=true is not tested with it: "
+                          "each halving is a new shape to compile, and a compiled graph that ran "
+                          "out of memory is not known to be safe to run again",
+                          "memory.auto_microbatch=false, or model.compile=false")
         if self.cluster.mode == "debug" and self.parallelism.world_size > 1:
             # Not an error: debug mode exists to step through one rank.
             gpus = min(self.parallelism.gpus_per_node, 1)

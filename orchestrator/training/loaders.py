@@ -58,9 +58,11 @@ class RankData:
             self.sources[ds.root] = self.task.source(ds)
         return self.sources[ds.root]
 
-    def example_batch(self) -> Batch:
-        """The first sample of the training data as a batch of one, on this rank's device."""
-        batch = self.loader.dataset.__getitems__([0])
+    def example_batch(self, size: int = 1) -> Batch:
+        """The first ``size`` samples of the training data (repeated if fewer) as one batch, on
+        this rank's device."""
+        count = len(self.loader.dataset)
+        batch = self.loader.dataset.__getitems__([i % count for i in range(size)])
         return {k: v.to(self.rt.device) if k in self.task.fields() else v for k, v in batch.items()}
 
     def eval_loader(self) -> Any:

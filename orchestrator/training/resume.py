@@ -45,7 +45,7 @@ import torch
 
 from orchestrator.config import ConfigError, OptimConfig, TrainConfig, group_dict
 from orchestrator.launch import provenance
-from orchestrator.training import checkpoint
+from orchestrator.training import checkpoint, compiling
 from orchestrator.training.checkpoint import CheckpointError
 
 # What a checkpoint written before a key existed had: a Switchyard without fsdp wrote ddp's. A key
@@ -67,7 +67,8 @@ def checkpoint_dir(cfg: TrainConfig, run_dir: Path) -> Path:
 
 def compatibility(cfg: TrainConfig, dataset_kwargs: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it (recorded as its ``compat``)."""
-    return {"model": group_dict(cfg.model), **dataset_kwargs, "task": group_dict(cfg.task),
+    model = compiling.split(group_dict(cfg.model))[0]  # compiled or not: the same weights
+    return {"model": model, **dataset_kwargs, "task": group_dict(cfg.task),
             "optimizer": cfg.optim.name, "amp_scaler": cfg.memory.amp == "fp16",
             "strategy": cfg.parallelism.strategy, "seed": cfg.seed, "data": data_fingerprint,
             "samples_per_step": cfg.data.batch_size * cfg.optim.grad_accum_steps}
@@ -120,12 +121,15 @@ def config_changes(saved: dict[str, Any] | None, cfg: OptimConfig) -> dict[str, 
 
 
 def apply_optim(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LambdaLR,
-                cfg: OptimConfig) -> None:
+                cfg: OptimConfig, kernels: dict[str, bool] | None = None) -> None:
     """After the optimizer's and the schedule's state are restored: their hyperparameters are this
     run's, not the checkpoint's. The schedule's function is already this run's (a closure is not
-    saved), its position the checkpoint's; the learning rate of the next step follows from both."""
+    saved), its position the checkpoint's; the learning rate of the next step follows from both.
+    ``kernels``: this run's ``fused``/``foreach`` flags (``optim.implementation``), which loading
+    the checkpoint's parameter groups would otherwise have replaced with the writer's."""
     schedule.base_lrs = [cfg.lr for _ in optimizer.param_groups]
     for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas, strict=True):
+        group.update(kernels or {})
         group["initial_lr"] = cfg.lr
         group["lr"] = cfg.lr * factor(schedule.last_epoch)
         group["weight_decay"] = cfg.weight_decay

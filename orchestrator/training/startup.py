@@ -19,7 +19,7 @@ import time
 import psutil
 
 # The phases, in order; each mark ends the phase of its name (the first starts at the process's).
-BEFORE_FIRST_STEP = ("imports", "preflight", "rendezvous", "data", "model", "resume", "first_step")
+BEFORE_FIRST_STEP = ("imports", "preflight", "rendezvous", "data", "model", "compile", "resume", "first_step")
 AFTER_LAST_STEP = ("final_checkpoint", "result")
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, group_dict, import_target
-from orchestrator.training import runtime
+from orchestrator.training import compiling, runtime
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.runtime import Runtime
 from orchestrator.training.tasks import Batch, Task
@@ -30,7 +30,7 @@ GradSync = Callable[[bool], contextlib.AbstractContextManager[Any]]
 def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig) -> nn.Module:
     """Instantiate ``spec._target_`` with what the task takes from the dataset (``in_features``
     and ``num_classes``, ``vocab_size``, ...) and the rest of spec as keyword arguments."""
-    kwargs = group_dict(spec)
+    kwargs, _ = compiling.split(group_dict(spec))  # model.compile*: the trainer's, not the model's
     target = kwargs.pop("_target_", None)
     model_cls = import_target("model", target, "model=mlp, model=transformer, model=gpt")
     try:
@@ -67,10 +67,32 @@ def loads_weights(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "from_pretrained" in str(error) and "meta" in str(error)
 
 
-def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+def optimizer_kernels(cfg: OptimConfig, device: torch.device) -> dict[str, bool]:
+    """``optim.implementation`` as the optimizer's keyword arguments; auto: fused on CUDA (both
+    AdamW and SGD have the kernel there), foreach elsewhere."""
+    chosen = cfg.implementation
+    if chosen == "auto":
+        chosen = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": chosen == "fused", "foreach": chosen == "foreach"}
+
+
+def optimizer_implementation(optimizer: torch.optim.Optimizer) -> str:
+    """What the optimizer runs (its first group's flags), as ``optim.implementation`` names it."""
+    group = optimizer.param_groups[0]
+    return "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+
+
+def build_optimizer(params: Any, cfg: OptimConfig, device: torch.device | None = None
+                    ) -> torch.optim.Optimizer:
+    kernels: dict[str, Any] = dict(optimizer_kernels(cfg, device or torch.device("cpu")))
+    try:
+        if cfg.name == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay, **kernels)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernels)
+    except RuntimeError as e:  # a fused kernel this device or dtype lacks
+        raise ConfigError(f"optim.implementation={cfg.implementation!r} is not available here: {e} "
+                          f"(try optim.implementation=foreach, or auto)") from e
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:

@@ -27,7 +27,16 @@ from tqdm import tqdm
 from orchestrator.config import TrainConfig
 from orchestrator.launch import provenance, signal_delay
 from orchestrator.launch.heartbeat import Heartbeat
-from orchestrator.training import checkpointing, nonfinite, preemption, resume, runtime, startup, strategy
+from orchestrator.training import (
+    checkpointing,
+    compiling,
+    nonfinite,
+    preemption,
+    resume,
+    runtime,
+    startup,
+    strategy,
+)
 from orchestrator.training.checkpoint import CheckpointError, Found
 from orchestrator.training.loaders import RankData
 from orchestrator.training.metrics import MetricsWindow, WindowPeaks, finite_or_null
@@ -37,12 +46,15 @@ from orchestrator.training.run_log import RunLog, flatten
 from orchestrator.training.runtime import Runtime
 from orchestrator.training.step import (
     Batch,
+    autocast,
     backward_micro_batches,
     build_model,
     build_optimizer,
     build_schedule,
     evaluate,
     new_sums,
+    optimizer_implementation,
+    optimizer_kernels,
 )
 from orchestrator.training.tasks import build_task
 from orchestrator.training.throughput import throughput_for
@@ -73,15 +85,27 @@ class Trainer:
         self.amp = self.strategy.autocast_amp(cfg.memory.amp)  # what the step's autocast runs
         self.checkpointer = checkpointing.for_run(self.strategy.name, rt, cfg.checkpoint,
                                                   self.checkpoint_dir, self.strategy.module)
-        self.model = self.strategy.build(lambda: build_model(cfg.model, dataset_kwargs, cfg.memory))
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.compile_spec = compiling.spec_of(cfg.model)  # activation checkpointing, compile, wrap
+        self.model = self.strategy.build(lambda: self.compiled(build_model(cfg.model, dataset_kwargs,
+                                                                           cfg.memory)))
+        self.kernels = optimizer_kernels(cfg.optim, rt.device)  # optim.implementation
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, rt.device)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.memory.amp == "fp16")
         self.data.open_train()
         # A real batch of the dataset, never a made-up shape (a CNN's pooling needs real sizes).
         example = self.data.example_batch()
-        self.strategy.settle(self.model, lambda model: self.task.forward(model, example))
-        self.clock.mark("model")
+        self.compile_report: compiling.CompileReport | None = None
+        self.recompiles: compiling.Recompiles | None = None
+        if self.compile_spec.enabled:  # the warm-up settles DDP's buckets as settle() would
+            self.clock.mark("model")
+            self.compile_report, self.recompiles = compiling.prepare(
+                self.compile_spec, self.strategy.module(self.model), cfg, run_dir, rt.is_main,
+                self.warm_up)
+            self.clock.mark("compile")
+        else:
+            self.strategy.settle(self.model, lambda model: self.task.forward(model, example))
+            self.clock.mark("model")
         self.step = 0
         self.counters = Counters(rt)
         self.compat = resume.compatibility(cfg, dataset_kwargs, self.data.train_ds.fingerprint)
@@ -101,6 +125,29 @@ class Trainer:
         self.state = TrainState(rt, {"schedule": self.schedule, "scaler": self.scaler,
                                      "sampler": self.data.sampler, "micro_batch": self.micro},
                                 [RngState(rt), self.counters, self.window])
+
+    # -- compile --------------------------------------------------------------------------------
+
+    def compiled(self, model: torch.nn.Module) -> torch.nn.Module:
+        return compiling.compile_in_place(model, self.compile_spec) if self.compile_spec.enabled else model
+
+    def warm_up(self) -> None:
+        """Every compiled block compiled now, on a batch of the step's shape, under the step's
+        autocast (``compiling.warm_up``)."""
+        full = self.data.example_batch(self.cfg.data.batch_size)
+
+        def forward(model: torch.nn.Module) -> torch.Tensor:
+            with autocast(self.rt.device, self.amp):
+                return self.task.forward(model, full)
+
+        compiling.warm_up(self.model, forward, self.rt.device)
+
+    def compile_summary(self) -> dict[str, Any] | None:
+        if self.compile_report is None:
+            return None
+        if self.recompiles is not None:
+            self.compile_report.recompiles = self.recompiles.count
+        return asdict(self.compile_report)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -209,7 +256,8 @@ class Trainer:
         code_change = self.check_resumable(found)
         self.checkpointer.load(found, self.model, self.optimizer)
         self.state.load_state_dict(found.state)
-        resume.apply_optim(self.optimizer, self.schedule, self.cfg.optim)  # not the checkpoint's lr
+        # not the checkpoint's lr, nor its optimizer kernels
+        resume.apply_optim(self.optimizer, self.schedule, self.cfg.optim, self.kernels)
         self.step = self.saved_step = int(found.state["step"])
         changes = resume.config_changes(found.state.get("optim"), self.cfg.optim)
         self.resumed_from = {"path": str(found.path), "step": self.step,
@@ -259,7 +307,8 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         log = RunLog(cfg.logger, self.run_dir, self.step, flatten(asdict(cfg))) if rt.is_main else None
         try:
-            return self._loop(log, start)
+            with compiling.limit_errors(self.recompiles, self.compile_spec.recompile_limit):
+                return self._loop(log, start)
         finally:
             if log is not None:
                 log.close()
@@ -359,5 +408,7 @@ class Trainer:
             "auto_microbatch": self.micro.as_summary() if self.micro is not None else None,
             "skipped_nonfinite_steps": self.guard.skipped_steps, **saves, "signal_delay": chosen,
             "resume_s": self.resumed_from["resume_s"] if self.resumed_from else None,
+            "compile": self.compile_summary(),
+            "optim_implementation": optimizer_implementation(self.optimizer),
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get

@@ -1,0 +1,252 @@
+"""``model.compile=true``: torch.compile per block, compiled before the first step, the compiled
+artifacts kept in the run directory so that a resume or a requeue does not compile again.
+
+- What is compiled: the model's fsdp units (``fsdp_units()``: the built-in models' blocks), else
+  the classes a Hugging Face model names in ``_no_split_modules``, else the whole model. Each with
+  ``module.compile()``, in place: parameter names, state dicts and checkpoints are those of the
+  eager model, so either kind of run resumes the other's checkpoint.
+- The order is torchtitan's: activation checkpointing (``build_model``), compile, then the
+  strategy's wrap (DDP or ``fully_shard``): compile is part of the builder the strategy calls.
+- When: compile is lazy (the first call of each block), so ``warm_up`` runs one zero-loss forward
+  and backward on a real full-size batch right after the model is built (it replaces ddp's
+  bucket-settling zero step). Every rank compiles the same graphs at the same time; a collective
+  inside the warm-up (ddp's all-reduce, fsdp's all-gathers) waits only for the ranks' difference
+  in compile time, not for the compile, and must stay within ``cluster.collective_timeout_s``
+  (600 s by default): raise it when one rank may compile much longer than another (a cold cache
+  on one node, a warm one on the other). The phase is ``compile`` in ``summary.json``'s
+  ``startup_s`` and in the start-up line. The eval graphs compile at the first evaluation.
+- Recompiles are counted (each one's failed guard is logged by torch); past
+  ``model.compile_recompile_limit`` for one block the run fails, naming the last guard.
+- The cache: rank 0 publishes ``torch.compiler.save_cache_artifacts()`` after the warm-up to
+  ``RUN/compile_cache/<key>.bin`` (atomically), ``key`` a hash of the model, compile, memory and
+  data config and the strategy. Every rank of a later attempt loads it before the warm-up, so
+  inductor finds its graphs in its local cache (``/tmp/torchinductor_$USER`` unless
+  ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: node-local, shared by the node's ranks) instead of
+  generating and compiling them. A file from another torch version, or one whose checksum does
+  not match, is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch import nn
+
+from orchestrator import atomic
+from orchestrator.config import ModelCompileConfig, TrainConfig, check_compile, group_dict
+
+COMPILE_KEYS = tuple(f.name for f in dataclasses.fields(ModelCompileConfig))
+CACHE_DIR = "compile_cache"
+MAGIC = b"SWYDCC1\n"
+
+
+class RecompileLimitError(RuntimeError):
+    """A block was recompiled more often than ``model.compile_recompile_limit``."""
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    enabled: bool = False
+    fullgraph: bool = True
+    mode: str = "default"
+    backend: str = "inductor"
+    dynamic: bool | None = None
+    recompile_limit: int = 8
+
+
+def split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], CompileSpec]:
+    """A model spec as a dict -> (the constructor's keyword arguments, the compile options)."""
+    check_compile(kwargs)
+    options = {k: kwargs[k] for k in COMPILE_KEYS if k in kwargs}
+    spec = CompileSpec(**{("enabled" if k == "compile" else k.removeprefix("compile_")): v
+                          for k, v in options.items()})
+    return {k: v for k, v in kwargs.items() if k not in COMPILE_KEYS}, spec
+
+
+def spec_of(model_spec: Any) -> CompileSpec:
+    return split(group_dict(model_spec))[1]
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """What is compiled one by one: the fsdp units, else ``_no_split_modules``' classes, else all."""
+    if callable(getattr(model, "fsdp_units", None)):
+        found = list(model.fsdp_units())  # type: ignore[operator]  # checked callable above
+    else:
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    return found or [model]
+
+
+def compile_in_place(model: nn.Module, spec: CompileSpec) -> nn.Module:
+    """Each unit's forward compiled (``nn.Module.compile``: the module object and its parameter
+    names stay); returns ``model``."""
+    for unit in units(model):
+        unit.compile(fullgraph=spec.fullgraph, dynamic=spec.dynamic, backend=spec.backend,
+                     mode=None if spec.mode == "default" else spec.mode)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Recompiles
+
+
+class Recompiles(logging.Handler):
+    """Counts torch's ``recompiles`` log records and keeps the last one (the guard that failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count, self.last = 0, ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        self.last = " ".join(record.getMessage().split())
+
+
+def watch_recompiles(limit: int) -> Recompiles:
+    """From here on every recompile is logged by torch (its reason on the rank's stderr) and
+    counted; the ``limit``-th recompile of one function raises in the step (``limit_errors``)."""
+    torch._dynamo.config.recompile_limit = limit
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    torch._logging.set_logs(recompiles=True)
+    handler = Recompiles()
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
+    return handler
+
+
+@contextlib.contextmanager
+def limit_errors(recompiles: Recompiles | None, limit: int) -> Iterator[None]:
+    """torch's bare "recompile limit" failure, told with the guard that failed and the fixes."""
+    try:
+        yield
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        if recompiles is None:
+            raise
+        raise RecompileLimitError(
+            f"model.compile: a block was recompiled past model.compile_recompile_limit={limit} "
+            f"({recompiles.count} recompiles in all); the last failed guard: {recompiles.last or '?'}. "
+            f"A dimension that varies from batch to batch: model.compile_dynamic=true, or batches of "
+            f"fixed shapes (data.seq_len); expected recompiles: raise "
+            f"model.compile_recompile_limit") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# The warm-up and the cache
+
+
+def cache_key(cfg: TrainConfig) -> str:
+    """What the compiled graphs depend on besides torch: the model and its compile options, the
+    shapes and dtypes (data, memory) and the strategy (fsdp's hooks)."""
+    record = {"model": group_dict(cfg.model), "memory": dataclasses.asdict(cfg.memory),
+              "data": dataclasses.asdict(cfg.data), "strategy": cfg.parallelism.strategy,
+              "world_size": cfg.parallelism.world_size,
+              "gpus": bool(cfg.parallelism.gpus_per_node)}
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_path(cfg: TrainConfig, run_dir: Path) -> Path:
+    return run_dir / CACHE_DIR / f"{cache_key(cfg)}.bin"
+
+
+def save_cache(path: Path) -> bool:
+    """Publish what this process compiled (rank 0): header, checksum, artifacts; atomic."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return False
+    artifacts, _ = saved
+    header = json.dumps({"torch": torch.__version__, "bytes": len(artifacts),
+                         "xxh3": xxhash.xxh3_64_hexdigest(artifacts)}).encode()
+    with atomic.atomic_write(path, binary=True) as f:
+        f.write(MAGIC + header + b"\n" + artifacts)
+    return True
+
+
+def load_cache(path: Path) -> tuple[bool, str | None]:
+    """(loaded, warning): a missing file is neither; another torch's or a damaged one is a warning."""
+    if not path.is_file():
+        return False, None
+    try:
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            raise ValueError("not a Switchyard compile cache")
+        header_line, _, artifacts = data[len(MAGIC):].partition(b"\n")
+        header = json.loads(header_line)
+    except (OSError, ValueError) as e:
+        return False, f"ignored the compile cache {path}: unreadable ({e}); compiling from scratch"
+    if header.get("torch") != torch.__version__:
+        return False, (f"ignored the compile cache {path}: written by torch {header.get('torch')}, "
+                       f"this is torch {torch.__version__}; compiling from scratch")
+    if header.get("bytes") != len(artifacts) or header.get("xxh3") != xxhash.xxh3_64_hexdigest(artifacts):
+        return False, (f"ignored the compile cache {path}: its checksum does not match (damaged); "
+                       f"compiling from scratch")
+    try:
+        torch.compiler.load_cache_artifacts(artifacts)
+    except Exception as e:  # torch's own format checks: never trust a cache that fails them
+        return False, f"ignored the compile cache {path}: torch refused it ({e}); compiling from scratch"
+    return True, None
+
+
+def warm_up(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], device: torch.device) -> None:
+    """One zero-loss forward and backward in train mode, as the step runs it: every block is
+    compiled, forward and backward, before the first step. Gradients are zero (and dropped), the
+    buffers (BatchNorm's statistics) and the random state are restored, so the first step trains
+    exactly as it would have. Under ddp it also settles the gradient buckets
+    (``runtime.settle_buckets``' reason), so it replaces that zero step."""
+    cpu_rng = torch.get_rng_state()
+    device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    was_training = model.training
+    model.train()
+    (forward(model).float().sum() * 0.0).backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    with torch.no_grad():
+        for buffer, kept in buffers:
+            buffer.copy_(kept)
+    torch.set_rng_state(cpu_rng)
+    if device_rng is not None:
+        torch.cuda.set_rng_state(device_rng, device)
+
+
+@dataclass
+class CompileReport:
+    """What ``summary.json`` records under ``compile``."""
+
+    backend: str
+    mode: str
+    units: int
+    warm_up_s: float
+    cache: str  # loaded | published | none (nothing to save: eager backends) | ignored
+    recompiles: int = 0
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def prepare(spec: CompileSpec, model: nn.Module, cfg: TrainConfig, run_dir: Path, is_main: bool,
+            warm: Callable[[], None]) -> tuple[CompileReport, Recompiles]:
+    """Load the cache if there is one, compile everything (``warm``), publish the cache (rank 0,
+    when there was none to load)."""
+    started = time.perf_counter()
+    path = cache_path(cfg, run_dir)
+    loaded, warning = load_cache(path)
+    if warning and is_main:
+        print(f"warning: {warning}", flush=True)
+    recompiles = watch_recompiles(spec.recompile_limit)
+    with limit_errors(recompiles, spec.recompile_limit):
+        warm()
+    cache = "loaded" if loaded else "none"
+    if not loaded and is_main and save_cache(path):
+        cache = "published"
+    report = CompileReport(spec.backend, spec.mode, len(units(model)),
+                           round(time.perf_counter() - started, 3), cache,
+                           warnings=[warning] if warning else [])
+    return report, recompiles

@@ -1,0 +1,175 @@
+"""``model.compile=true`` (``orchestrator.training.compiling``) on a real one-rank process group:
+a compiled run trains as the eager one under ddp and fsdp, bf16, activation checkpointing and
+gradient accumulation; checkpoints go both ways between compiled and eager runs; the compile cache
+is published, loaded by a resume, and ignored with a warning when it is another torch's or damaged;
+recompiles are counted and bounded. ``optim.implementation`` is recorded and a resume may change it.
+
+Most tests compile with ``aot_eager`` (dynamo and AOTAutograd, no code generation: seconds on CPU);
+one compiles with inductor."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from jobs.prepare import prepare
+from orchestrator.config import (
+    CausalLmTaskConfig,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    GptConfig,
+    LoggerConfig,
+    MemoryConfig,
+    OptimConfig,
+    ParallelismConfig,
+    PrepareConfig,
+    TelemetryConfig,
+    TrainConfig,
+)
+from orchestrator.training import compiling, runtime, trainer
+
+LINE = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs\n"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> trainer.DataPaths:
+    root = tmp_path_factory.mktemp("text")
+    (root / "corpus").mkdir()
+    for i in range(4):
+        (root / "corpus" / f"{i}.txt").write_text(f"{i} {LINE}" * 20)
+    prepare(PrepareConfig(input=str(root / "corpus"), output=str(root / "d"), format="text",
+                          tokenizer="bytes"))
+    return trainer.DataPaths(train=str(root / "d"), eval=None)
+
+
+def config(data: trainer.DataPaths, compile: bool = True, backend: str = "aot_eager", steps: int = 4,
+           strategy: str = "ddp", amp: str = "none", checkpointing: bool = False, accum: int = 1,
+           implementation: str = "auto", checkpoints: Path | None = None) -> TrainConfig:
+    return TrainConfig(
+        model=GptConfig(d_model=16, num_heads=2, num_layers=2, compile=compile, compile_backend=backend),
+        task=CausalLmTaskConfig(), data=DataConfig(path=data.train, seq_len=16, batch_size=4),
+        optim=OptimConfig(max_steps=steps, grad_accum_steps=accum, implementation=implementation),
+        parallelism=ParallelismConfig(strategy=strategy),
+        memory=MemoryConfig(amp=amp, activation_checkpointing=checkpointing),
+        checkpoint=CheckpointConfig(dir=str(checkpoints) if checkpoints else None, async_save=False),
+        log_every_steps=2, logger=LoggerConfig(tensorboard=False), telemetry=TelemetryConfig(enabled=False))
+
+
+def train(rt: runtime.Runtime, data: trainer.DataPaths, run: Path, cfg: TrainConfig) -> dict[str, Any]:
+    run.mkdir(parents=True, exist_ok=True)
+    torch._dynamo.reset()  # each run compiles as a new process would (the cache is the file's)
+    rank_trainer = trainer.Trainer(cfg, data, run, rt)
+    return {**rank_trainer.run(), "startup_s": rank_trainer.clock.startup_s()}  # as rank_process adds it
+
+
+@pytest.mark.parametrize("options", [
+    {"strategy": "ddp"},
+    {"strategy": "fsdp"},
+    {"strategy": "ddp", "amp": "bf16", "checkpointing": True, "accum": 2},
+    {"strategy": "fsdp", "amp": "bf16", "checkpointing": True},
+], ids=["ddp", "fsdp", "ddp-bf16-checkpointing-accum", "fsdp-bf16-checkpointing"])
+def test_a_compiled_run_trains_as_the_eager_one(rank: runtime.Runtime, data: trainer.DataPaths,
+                                               tmp_path: Path, options: dict[str, Any]) -> None:
+    eager = train(rank, data, tmp_path / "eager", config(data, compile=False, **options))
+    compiled = train(rank, data, tmp_path / "compiled", config(data, **options))
+    # aot_eager runs the same ATen ops as eager, traced: equal to float rounding
+    assert math.isclose(compiled["final_train_loss"], eager["final_train_loss"], rel_tol=1e-5)
+    report = compiled["compile"]
+    assert report["units"] == 2 and report["recompiles"] == 0  # each block, the step's shape once
+    assert eager["compile"] is None and "compile" not in eager["startup_s"]
+    assert compiled["startup_s"]["compile"] > 0  # its own phase, before the first step
+
+
+def test_checkpoints_resume_from_compiled_to_eager_and_back_exactly(
+        rank: runtime.Runtime, data: trainer.DataPaths, tmp_path: Path) -> None:
+    """The compiled modules keep their parameter names (``module.compile()`` in place), so the
+    checkpoints are the eager run's: 2 compiled steps + 2 eager ones, and 2 eager + 2 compiled,
+    both end on the uninterrupted eager run's weights."""
+    straight = train(rank, data, tmp_path / "straight", config(data, compile=False, steps=4))
+    for first, then in ((True, False), (False, True)):
+        run = tmp_path / f"from-{'compiled' if first else 'eager'}"
+        train(rank, data, run, config(data, compile=first, steps=2))
+        resumed = train(rank, data, run, config(data, compile=then, steps=4))
+        assert resumed["resumed_from"]["step"] == 2
+        assert resumed["param_checksum_per_rank"] == straight["param_checksum_per_rank"]
+
+
+def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(rank: runtime.Runtime,
+                                                                         data: trainer.DataPaths,
+                                                                         tmp_path: Path) -> None:
+    """inductor: the one real code-generating compile of this file (tens of seconds on CPU)."""
+    run = tmp_path / "run"
+    first = train(rank, data, run, config(data, backend="inductor", steps=2))
+    assert first["compile"]["cache"] == "published"
+    [cache] = (run / compiling.CACHE_DIR).iterdir()
+    resumed = train(rank, data, run, config(data, backend="inductor", steps=3))
+    assert resumed["compile"]["cache"] == "loaded" and resumed["compile"]["warnings"] == []
+
+    good = cache.read_bytes()
+    cache.write_bytes(good.replace(torch.__version__.encode(), b"0.0.1", 1))
+    other = train(rank, data, run, config(data, backend="inductor", steps=4))
+    assert other["compile"]["warnings"] == [
+        f"ignored the compile cache {cache}: written by torch 0.0.1, this is torch {torch.__version__}; "
+        f"compiling from scratch"]
+    assert other["compile"]["cache"] == "published"  # rank 0 replaced it with its own
+    cache.write_bytes(good[:-10] + b"0123456789")
+    damaged = train(rank, data, run, config(data, backend="inductor", steps=5))
+    assert "its checksum does not match (damaged)" in damaged["compile"]["warnings"][0]
+
+
+class Rows(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_recompiles_past_the_limit_fail_naming_the_guard(rank: runtime.Runtime, data: trainer.DataPaths,
+                                                         tmp_path: Path) -> None:
+    """A block called with a new shape every time, dynamic shapes off: one compile per shape, and
+    the limit's failure names the guard that failed instead of torch's bare message."""
+    model = Rows()
+    torch._dynamo.reset()
+    compiling.compile_in_place(model, compiling.CompileSpec(enabled=True, backend="eager", dynamic=False))
+    recompiles = compiling.watch_recompiles(2)
+    with pytest.raises(compiling.RecompileLimitError) as failed, compiling.limit_errors(recompiles, 2):
+        for rows in range(1, 6):
+            model(torch.zeros(rows, 4))
+    assert recompiles.count >= 1
+    assert "past model.compile_recompile_limit=2" in str(failed.value)
+    assert "size mismatch at index 0" in str(failed.value)  # torch's own words for the guard
+
+
+def test_an_optimizer_implementation_is_recorded_and_a_resume_may_change_it(
+        rank: runtime.Runtime, data: trainer.DataPaths, tmp_path: Path) -> None:
+    """Loading the optimizer's state takes the checkpoint's parameter groups, fused/foreach flags
+    included: without ``apply_optim``'s kernels a resume ran the writer's implementation."""
+    run = tmp_path / "run"
+    first = train(rank, data, run, config(data, compile=False, steps=2, implementation="fused"))
+    assert first["optim_implementation"] == "fused"
+    resumed = train(rank, data, run, config(data, compile=False, steps=4, implementation="for-loop"))
+    assert resumed["optim_implementation"] == "for-loop"
+    assert resumed["resumed_from"]["config_changes"]["optim.implementation"] == ["fused", "for-loop"]
+    straight = train(rank, data, tmp_path / "straight", config(data, compile=False, steps=4))
+    assert straight["optim_implementation"] == "foreach"  # auto on a CPU
+    assert math.isclose(resumed["final_train_loss"], straight["final_train_loss"], rel_tol=1e-4)
+
+
+def test_compile_with_auto_microbatch_is_refused_before_submission(data: trainer.DataPaths) -> None:
+    with pytest.raises(ConfigError, match=r"^memory.auto_microbatch=True is invalid: model.compile=true "):
+        dataclasses.replace(config(data), memory=MemoryConfig(auto_microbatch=True)).__post_init__()
+    with pytest.raises(ConfigError, match=r"model\.compile_mode='fast' is invalid"):
+        GptConfig(compile_mode="fast")
+
+
+def test_custom_models_take_the_compile_keys_without_passing_them_on() -> None:
+    kwargs, spec = compiling.split({"_target_": "x.Y", "width": 3, "compile": True,
+                                    "compile_backend": "eager"})
+    assert kwargs == {"_target_": "x.Y", "width": 3}
+    assert spec == compiling.CompileSpec(enabled=True, backend="eager")
+    assert json.dumps(dataclasses.asdict(spec))  # summary-ready
