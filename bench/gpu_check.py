@@ -12,7 +12,9 @@
 6. ``parallelism.strategy=fsdp`` on every GPU (bf16): a run, a resume, and ``bench/fsdp_bench.py
    --device cuda`` (model state and peak allocated per rank, ddp vs fsdp, 1024 wide, 8 layers);
 7. ``task=causal_lm model=gpt`` on every GPU, bf16, under ddp and fsdp, on byte tokens of the
-   Python standard library's sources: tokens/s, model TFLOP/s and MFU;
+   Python standard library's sources: tokens/s, model TFLOP/s and MFU, eager and with
+   ``model.compile=true``, on one GPU and on every GPU, the compile seconds and the optimizer's
+   kernels (``optim.implementation=auto``: fused on CUDA);
 8. what the memory sampler (a thread in local rank 0's process) costs: one sample's time through
    NVML, and samples/s on every GPU with telemetry off, on at the default 5 s, and on every 0.5 s.
 
@@ -228,12 +230,17 @@ def causal_lm(c: Check, gpus: int) -> None:
     from corpora import byte_corpus  # bench/, beside this file
 
     data = byte_corpus(c.tmp / "stdlib-bytes")
-    for strategy in ("ddp", "fsdp"):
-        check = f"causal_lm gpt {strategy} bf16 on {gpus} GPU(s)"
+    # eager vs model.compile=true (inductor, per block), each with the fused AdamW that
+    # optim.implementation=auto picks on CUDA; on one GPU and on all of them
+    runs = [(strategy, compiled, n) for n in sorted({1, gpus}) for strategy in ("ddp", "fsdp")
+            for compiled in (False, True)]
+    for strategy, compiled, n in runs:
+        check = f"causal_lm gpt {strategy} bf16 {'compiled' if compiled else 'eager'} on {n} GPU(s)"
         proc, summary, run_dir = c.train(
-            check, "cluster=local", f"parallelism.gpus_per_node={gpus}", f"parallelism.strategy={strategy}",
+            check, "cluster=local", f"parallelism.gpus_per_node={n}", f"parallelism.strategy={strategy}",
             "task=causal_lm", "model=gpt", "model.d_model=768", "model.num_layers=12", "model.num_heads=12",
             "data.seq_len=1024", "data.batch_size=8", "memory.amp=bf16", f"data.path={data}",
+            f"model.compile={str(compiled).lower()}",
             "optim.max_steps=60", "log_every_steps=20", "logger=jsonl")
         if summary is None:
             c.failed(check, proc)
@@ -243,7 +250,9 @@ def causal_lm(c: Check, gpus: int) -> None:
         mfu = "null" if last["mfu"] is None else f"{100 * last['mfu']:.1f}%"
         c.row(check, "ok" if len(set(summary["param_checksum_per_rank"])) == 1 else "FAILED",
               f"{last['tokens_per_s']:,.0f} tokens/s, {last['model_tflops_per_s']:.1f} model TFLOP/s, "
-              f"MFU {mfu}, loss {summary['final_train_loss']:.3f}, peak {peak_gib(summary)}")
+              f"MFU {mfu}, loss {summary['final_train_loss']:.3f}, peak {peak_gib(summary)}, "
+              f"compile {summary['startup_s'].get('compile', 0):.0f} s, optimizer "
+              f"{summary['optim_implementation']}")
 
 
 def telemetry_cost(c: Check, gpus: int) -> None:
