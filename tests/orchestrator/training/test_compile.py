@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import refusal
+from train_helpers import CHEAP, refusal, run_train
 
 from jobs.prepare import prepare
 from orchestrator.config import (
@@ -173,3 +173,21 @@ def test_custom_models_take_the_compile_keys_without_passing_them_on() -> None:
     assert kwargs == {"_target_": "x.Y", "width": 3}
     assert spec == compiling.CompileSpec(enabled=True, backend="eager")
     assert json.dumps(dataclasses.asdict(spec))  # summary-ready
+
+
+@pytest.mark.parametrize("strategy", ["fsdp"])  # ddp: in process above; one real pair is enough
+def test_two_gloo_ranks_train_compiled_and_say_so(data: trainer.DataPaths, tmp_path: Path,
+                                                  strategy: str) -> None:
+    """The entry point with 2 real ranks (fsdp: rank 1 builds on the meta device and compiles its
+    shards' blocks): the ranks end on the same weights, the start-up line names the compile."""
+    run = tmp_path / "run"
+    proc = run_train("task=causal_lm", "model=gpt", "model.d_model=16", "model.num_heads=2",
+                     "model.num_layers=2", "model.compile=true", "model.compile_backend=aot_eager",
+                     f"parallelism.strategy={strategy}", f"data.path={data.train}", "data.seq_len=16",
+                     "data.batch_size=4", "optim.max_steps=3", *CHEAP, run_dir=run)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert len(set(summary["param_checksum_per_rank"])) == 1 and summary["world_size"] == 2
+    assert summary["compile"]["backend"] == "aot_eager" and summary["startup_s"]["compile"] > 0
+    logs = "".join(p.read_text() for p in run.rglob("*_log.out"))
+    assert ", compile " in logs.split("start-up: ", 1)[1].splitlines()[0]
