@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_helpers import write_rows_dataset
 from train_helpers import CHEAP, refusal, run_train
 
 from jobs.prepare import prepare
@@ -32,6 +33,7 @@ from orchestrator.config import (
     PrepareConfig,
     TelemetryConfig,
     TrainConfig,
+    TransformerConfig,
 )
 from orchestrator.training import compiling, runtime, trainer
 
@@ -191,3 +193,19 @@ def test_two_gloo_ranks_train_compiled_and_say_so(data: trainer.DataPaths, tmp_p
     assert summary["compile"]["backend"] == "aot_eager" and summary["startup_s"]["compile"] > 0
     logs = "".join(p.read_text() for p in run.rglob("*_log.out"))
     assert ", compile " in logs.split("start-up: ", 1)[1].splitlines()[0]
+
+
+def test_a_row_model_over_variable_length_samples_compiles_without_a_storm(
+        rank: runtime.Runtime, tmp_path: Path) -> None:
+    """task=classify with the transformer over 1-6 rows a sample: the row dimension changes from
+    batch to batch, torch marks it dynamic at its first change, and the run stays far under the
+    recompile limit (it would fail past it)."""
+    path = write_rows_dataset(tmp_path / "rows", 48, features=5, classes=3, max_rows=6)
+    cfg = TrainConfig(model=TransformerConfig(d_model=16, num_heads=2, num_layers=2, ff_dim=32, compile=True,
+                                              compile_backend="aot_eager", compile_recompile_limit=4),
+                      data=DataConfig(path=path, num_classes=3, batch_size=4), optim=OptimConfig(max_steps=8),
+                      log_every_steps=4, logger=LoggerConfig(tensorboard=False),
+                      telemetry=TelemetryConfig(enabled=False))
+    summary = train(rank, trainer.DataPaths(train=path, eval=None), tmp_path / "run", cfg)
+    assert summary["steps"] == 8 and summary["task"] == "Classify"
+    assert summary["compile"]["recompiles"] <= 2
