@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -118,7 +119,8 @@ def watch_recompiles(limit: int) -> Recompiles:
     counted; the ``limit``-th recompile of one function raises in the step (``limit_errors``)."""
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    torch._logging.set_logs(recompiles=True)
+    if not os.environ.get("TORCH_LOGS"):  # set_logs would replace the user's own choice
+        torch._logging.set_logs(recompiles=True)  # (theirs counts recompiles only if it names them)
     handler = Recompiles()
     logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
     return handler
