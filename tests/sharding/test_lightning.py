@@ -95,3 +95,40 @@ def test_a_trainer_that_would_replace_the_sampler_is_refused_in_one_line(data: P
         trainer.fit(_Tiny(), datamodule=dm)
     assert str(refused.value) == REFUSAL and "\n" not in REFUSAL
     assert "Trainer(use_distributed_sampler=False)" in REFUSAL
+
+
+STANDALONE = """
+import sys
+import pytorch_lightning as pl
+import torch
+from sharding.lightning import ShardedDataModule
+
+assert issubclass(ShardedDataModule, pl.LightningDataModule) and "lightning.pytorch" not in sys.modules
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.linear(batch["x"].sum(1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+dm = ShardedDataModule(train=sys.argv[1], batch_size=4)
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, use_distributed_sampler=False,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Tiny(), datamodule=dm)
+print("segments", dm.state_dict()["sampler"]["segments"])
+"""
+
+
+def test_the_standalone_pytorch_lightning_package_works_too(data: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    proc = subprocess.run([sys.executable, "-c", STANDALONE, str(data / "train")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "segments [[1, 12]]" in proc.stdout  # 3 batches of 4 advanced the sampler
