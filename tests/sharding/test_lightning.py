@@ -132,3 +132,35 @@ def test_the_standalone_pytorch_lightning_package_works_too(data: Path) -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "segments [[1, 12]]" in proc.stdout  # 3 batches of 4 advanced the sampler
+
+
+class _Recorder(pl.Callback):
+    """Records each training batch's real samples; saves a checkpoint at batch `save_at`."""
+
+    def __init__(self, save_at: int | None = None, path: Path | None = None) -> None:
+        self.batches: list[list[int]] = []
+        self.save_at, self.path = save_at, path
+
+    def on_train_batch_end(self, trainer: object, module: object, outputs: object,
+                           batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.batches.append(batch["index"][~batch["is_pad"]].tolist())
+        if len(self.batches) == self.save_at and self.path is not None:
+            trainer.save_checkpoint(self.path)  # type: ignore[attr-defined]
+
+
+def _fit(data: Path, recorder: _Recorder, ckpt: Path | None = None) -> None:
+    from sharding.lightning import ShardedDataModule
+
+    dm = ShardedDataModule(train=data / "train", batch_size=8, group_by_length=True, seed=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, use_distributed_sampler=False,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[recorder])
+    trainer.fit(_Tiny(), datamodule=dm, ckpt_path=ckpt)
+
+
+def test_a_length_grouped_epoch_resumes_at_the_next_batch_in_process(data: Path) -> None:
+    whole = _Recorder(save_at=17, path=data / "mid.ckpt")  # 12 batches an epoch: epoch 1, batch 5
+    _fit(data, whole)
+    resumed = _Recorder()
+    _fit(data, resumed, ckpt=data / "mid.ckpt")
+    assert len(whole.batches) == 24 and resumed.batches == whole.batches[17:]
