@@ -93,7 +93,16 @@ class _EpochLoader(ShardedLoader):
 
 
 class _DataModuleCore:
-    """ShardedDataModule's behaviour, mixed into the LightningDataModule of either package."""
+    """ShardedDataModule's behaviour, mixed into the LightningDataModule of either package.
+
+    ``train``/``eval``: dataset directories (``DatasetWriter`` or ``jobs.prepare``); either may be
+    left out. ``batch_size`` entries per rank and step (``eval_batch_size``, default the same);
+    ``num_workers`` DataLoader workers per rank (they ignore SIGTERM/SIGUSR2, left to the trainer);
+    ``group_by_length`` batches training entries of similar length (less padding, resume still
+    exact); ``policy`` "pad" (every sample each epoch, flagged padding) or "drop" (no padding, up
+    to world_size-1 samples left out) for training; eval always pads, so every sample counts once.
+    ``seed`` orders each epoch's shuffle. Needs ``Trainer(use_distributed_sampler=False)``.
+    """
 
     trainer: Any
 
