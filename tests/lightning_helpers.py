@@ -1,0 +1,44 @@
+"""The Lightning recipe (docs/recipes/lightning_ddp.py) as the tests run it: its data, the
+`switchyard run` command, and what each rank recorded."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sharding import DatasetWriter
+
+RECIPE = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "lightning_ddp.py"
+TRAIN_SAMPLES, EVAL_SAMPLES = 96, 31  # 31: padding on 2 and on 4 ranks, so the counting is tested
+
+
+def write_data(root: Path) -> tuple[Path, Path]:
+    """Variable-row 2-D samples: x float32 [rows 1..19, 8], y int64 in 0..3; several shards."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for name, num in (("train", TRAIN_SAMPLES), ("eval", EVAL_SAMPLES)):
+        with DatasetWriter(root / name, shard_bytes=2048) as writer:
+            for i in range(num):
+                rows = int(rng.integers(1, 20))
+                writer.append({"x": rng.standard_normal((rows, 8)).astype(np.float32), "y": np.int64(i % 4)})
+        paths.append(root / name)
+    return paths[0], paths[1]
+
+
+def recipe_command(train: Path, eval_: Path, record: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(RECIPE), "--train", str(train), "--eval", str(eval_),
+            "--record", str(record), *extra]
+
+
+def seen(record: Path, rank: int) -> list[tuple[int, list[int]]]:
+    """(epoch, real sample ids) of each training batch rank `rank` ran, over all attempts."""
+    lines = (record / f"seen-rank{rank}.jsonl").read_text().splitlines()
+    return [(row["epoch"], row["index"]) for row in map(json.loads, lines)]
+
+
+def eval_counts(record: Path, rank: int) -> list[float]:
+    lines = (record / f"val-rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line)["val_samples"] for line in lines]

@@ -1,0 +1,166 @@
+"""ShardedDataModule under Lightning's own DDP on CPU (gloo), 2 local ranks through `switchyard run`:
+every eval sample counted once, an interrupted epoch resumed exactly (same or other world size),
+and a Trainer that would replace the sampler refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_helpers import EVAL_SAMPLES, TRAIN_SAMPLES, eval_counts, recipe_command, seen, write_data
+
+from sharding.lightning import REFUSAL, LightningSetupError, sample_sums
+
+pl = pytest.importorskip("lightning.pytorch")
+
+
+def run(tmp_path: Path, run_dir: str, record: Path, *args: str, overrides: tuple[str, ...] = ()
+        ) -> subprocess.CompletedProcess[str]:
+    train, eval_ = tmp_path / "train", tmp_path / "eval"
+    record.mkdir(exist_ok=True)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", "telemetry.enabled=false", *overrides,
+         f"hydra.run.dir={tmp_path / run_dir}", "--", *recipe_command(train, eval_, record, *args)],
+        cwd=tmp_path, env={**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")},
+        capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    write_data(tmp_path)
+    return tmp_path
+
+
+def test_two_ranks_count_each_eval_sample_once_and_an_interrupted_epoch_resumes_exactly(data: Path) -> None:
+    whole = run(data, "whole", data / "whole")
+    assert whole.returncode == 0, whole.stdout + whole.stderr[-3000:]
+    # 12 batches per rank per epoch: SIGUSR2 after 17 lands mid-epoch 1 (the helper's real handler)
+    first = run(data, "cut", data / "cut", "--stop-after", "17")
+    assert first.returncode != 0 and "asked to be requeued (exit 75)" in first.stdout + first.stderr
+    assert (data / "cut" / "checkpoints" / "last.ckpt").exists()
+    again = run(data, "cut", data / "cut", "--stop-after", "17")  # the same run dir: resumes
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    for rank in (0, 1):
+        assert seen(data / "cut", rank) == seen(data / "whole", rank)  # same samples, same order
+        assert eval_counts(data / "whole", rank) == [EVAL_SAMPLES] * 2  # sync_dist sums: each once
+        assert eval_counts(data / "cut", rank) == [EVAL_SAMPLES] * 2
+    for epoch in (0, 1):  # each rank reads its own half: together every sample once per epoch
+        per_rank = [[i for e, batch in seen(data / "whole", r) if e == epoch for i in batch] for r in (0, 1)]
+        assert len(per_rank[0]) == len(per_rank[1]) == TRAIN_SAMPLES // 2
+        assert sorted(per_rank[0] + per_rank[1]) == list(range(TRAIN_SAMPLES))
+
+
+def test_a_resume_at_another_world_size_reads_each_sample_once(data: Path) -> None:
+    first = run(data, "cut", data / "cut", "--stop-after", "5", "--epochs", "1")  # mid-epoch 0
+    assert first.returncode != 0 and (data / "cut" / "checkpoints" / "last.ckpt").exists()
+    again = run(data, "cut", data / "cut", "--epochs", "1", overrides=("parallelism.procs_per_node=1",))
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    assert "world 1 via" in again.stdout + "".join(
+        p.read_text() for p in (data / "cut" / "submitit").glob("*_log.out"))
+    counts = Counter(i for rank in (0, 1) for _, batch in seen(data / "cut", rank) for i in batch)
+    assert sorted(counts) == list(range(TRAIN_SAMPLES)) and set(counts.values()) == {1}
+
+
+def test_sample_sums_leave_padding_entries_out() -> None:
+    total, count = sample_sums(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([False, True, False]))
+    assert (total.item(), count.item()) == (5.0, 2.0)
+    with pytest.raises(ValueError, match=r"values has shape \(3, 2\) but is_pad has \(3,\)"):
+        sample_sums(torch.zeros(3, 2), torch.zeros(3, dtype=torch.bool))
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.linear(batch["x"].sum(1)).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_trainer_that_would_replace_the_sampler_is_refused_in_one_line(data: Path) -> None:
+    from sharding.lightning import ShardedDataModule
+
+    dm = ShardedDataModule(train=data / "train", batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)  # default: True
+    with pytest.raises(LightningSetupError) as refused:
+        trainer.fit(_Tiny(), datamodule=dm)
+    assert str(refused.value) == REFUSAL and "\n" not in REFUSAL
+    assert "Trainer(use_distributed_sampler=False)" in REFUSAL
+
+
+STANDALONE = """
+import sys
+import pytorch_lightning as pl
+import torch
+from sharding.lightning import ShardedDataModule
+
+assert issubclass(ShardedDataModule, pl.LightningDataModule) and "lightning.pytorch" not in sys.modules
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.linear(batch["x"].sum(1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+dm = ShardedDataModule(train=sys.argv[1], batch_size=4)
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, use_distributed_sampler=False,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Tiny(), datamodule=dm)
+print("segments", dm.state_dict()["sampler"]["segments"])
+"""
+
+
+def test_the_standalone_pytorch_lightning_package_works_too(data: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    proc = subprocess.run([sys.executable, "-c", STANDALONE, str(data / "train")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "segments [[1, 12]]" in proc.stdout  # 3 batches of 4 advanced the sampler
+
+
+class _Recorder(pl.Callback):
+    """Records each training batch's real samples; saves a checkpoint at batch `save_at`."""
+
+    def __init__(self, save_at: int | None = None, path: Path | None = None) -> None:
+        self.batches: list[list[int]] = []
+        self.save_at, self.path = save_at, path
+
+    def on_train_batch_end(self, trainer: object, module: object, outputs: object,
+                           batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.batches.append(batch["index"][~batch["is_pad"]].tolist())
+        if len(self.batches) == self.save_at and self.path is not None:
+            trainer.save_checkpoint(self.path)  # type: ignore[attr-defined]
+
+
+def _fit(data: Path, recorder: _Recorder, ckpt: Path | None = None) -> None:
+    from sharding.lightning import ShardedDataModule
+
+    dm = ShardedDataModule(train=data / "train", batch_size=8, group_by_length=True, seed=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, use_distributed_sampler=False,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[recorder])
+    trainer.fit(_Tiny(), datamodule=dm, ckpt_path=ckpt)
+
+
+def test_a_length_grouped_epoch_resumes_at_the_next_batch_in_process(data: Path) -> None:
+    whole = _Recorder(save_at=17, path=data / "mid.ckpt")  # 12 batches an epoch: epoch 1, batch 5
+    _fit(data, whole)
+    resumed = _Recorder()
+    _fit(data, resumed, ckpt=data / "mid.ckpt")
+    assert len(whole.batches) == 24 and resumed.batches == whole.batches[17:]

@@ -1,0 +1,75 @@
+"""The Lightning recipe (docs/recipes/lightning_ddp.py) as one 2x2 job on the local cluster: Lightning's
+SLURMEnvironment sees world 4, each eval sample is counted once, and `scancel --signal=USR2`
+mid-epoch reaches switchyard.preemption's handler (Lightning's own listens to SIGUSR1): the
+checkpoint carries the data module's position, the job is requeued, and the samples seen across
+both attempts are an uninterrupted run's, in the same order."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from lightning_helpers import EVAL_SAMPLES, eval_counts, recipe_command, seen, write_data
+from slurm_helpers import release_requeue_hold
+
+from orchestrator.launch import slurm_query
+
+pytestmark = pytest.mark.slurm
+pytest.importorskip("lightning.pytorch")
+
+
+def wait_for(path: Path, ok: Callable[[str], bool], timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and ok(path.read_text()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never appeared (or never passed its check)")
+
+
+def logs(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob("*_log.*")))
+
+
+def switchyard_run(tmp_path: Path, name: str, overrides: list[str], *args: str
+                   ) -> subprocess.CompletedProcess[str]:
+    record = tmp_path / f"record-{name}"
+    record.mkdir()
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", *overrides, f"hydra.run.dir={tmp_path / name}",
+         "--", *recipe_command(tmp_path / "train", tmp_path / "eval", record, "--epochs", "3", *args)],
+        cwd=tmp_path, env={**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")},
+        capture_output=True, text=True, timeout=400)
+
+
+def test_lightning_2x2_requeued_on_usr2_sees_the_uninterrupted_runs_samples(
+        tmp_path: Path, queued: list[str]) -> None:
+    write_data(tmp_path)
+    proc = switchyard_run(tmp_path, "slurm", ["cluster=slurm", "parallelism.nodes=2",
+                                              "parallelism.procs_per_node=2", "cluster.wait=false"],
+                          "--sleep-s", "0.5")
+    match = re.search(r"slurm_job_id: (\S+)", proc.stdout)
+    assert proc.returncode == 0 and match is not None, proc.stdout + proc.stderr[-3000:]
+    job_id = match.group(1)
+    queued.append(job_id)
+    # 96 samples over 4 ranks in batches of 4: 6 batches an epoch; batch 8 is mid-epoch 1
+    wait_for(tmp_path / "slurm" / "checkpoints" / "progress", lambda t: t.isdigit() and int(t) >= 8)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    release_requeue_hold(job_id)
+    states = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
+    text = logs(tmp_path / "slurm")
+    assert states[job_id] == "COMPLETED", text[-3000:]
+    assert f"switchyard: requeued job {job_id}: the command asked to be requeued" in text
+    assert "world 4 via SLURMEnvironment: done after epoch 2, restart 1" in text
+    # the same world (4 ranks, one node) uninterrupted, as the reference
+    whole = switchyard_run(tmp_path, "whole", ["parallelism.procs_per_node=4", "telemetry.enabled=false"])
+    assert whole.returncode == 0, whole.stdout + whole.stderr[-3000:]
+    for rank in range(4):
+        assert seen(tmp_path / "record-slurm", rank) == seen(tmp_path / "record-whole", rank)
+        assert eval_counts(tmp_path / "record-slurm", rank) == [EVAL_SAMPLES] * 3
