@@ -53,7 +53,7 @@ def _plot(args: argparse.Namespace) -> int:
     from orchestrator.telemetry.plot import plot_run
 
     try:
-        out = plot_run(args.run_dir, args.out)
+        out = plot_run(args.run_dir, args.out, raw=args.raw)
     except TelemetryError as e:
         print(f"switchyard plot: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run directory (printed as run_dir: at start)")
     p.add_argument("--out", default=None, type=checked(new_file),
                    help="PNG path (default RUN/telemetry/memory.png)")
+    p.add_argument("--raw", action="store_true",
+                   help="draw every sample (default: the sampler's downsampled series, at most 1024 "
+                        "points per node, each the peak of the samples it stands for)")
     p.set_defaults(func=_plot)
 
     sub.add_parser("run", help="any command as every rank of a job: " + RUN_USAGE, add_help=False)

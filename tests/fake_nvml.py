@@ -5,6 +5,9 @@ It is injected at the module boundary (``nvml=`` arguments), never patched into 
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -120,3 +123,28 @@ def png_size(path: Path) -> tuple[int, int]:
     header = path.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+_OPENED: list[list[str]] = []  # the lists of the `opened_samples` blocks in progress
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and _OPENED and Path(str(args[0])).parent.name == "telemetry" \
+            and str(args[0]).endswith(".jsonl"):
+        for opened in _OPENED:
+            opened.append(str(args[0]))
+
+
+@contextmanager
+def opened_samples() -> Iterator[list[str]]:
+    """The raw sample files (``telemetry/*.jsonl``) this process opens inside the block, through Python's
+    audit hook (one hook for the session: hooks cannot be removed)."""
+    if not getattr(sys, "_switchyard_audit", False):
+        sys.addaudithook(_audit)
+        sys._switchyard_audit = True  # type: ignore[attr-defined]
+    opened: list[str] = []
+    _OPENED.append(opened)
+    try:
+        yield opened
+    finally:
+        _OPENED.remove(opened)

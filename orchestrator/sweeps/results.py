@@ -17,8 +17,7 @@ from typing import Any
 from orchestrator.registry.db import Attempt, Job, Registry, Result
 from orchestrator.registry.states import SUBMITTED, SUBMITTING, TERMINAL_STATES
 from orchestrator.telemetry.files import read_end_summary, telemetry_dir
-from orchestrator.telemetry.stats import Digest
-from orchestrator.telemetry.summary import summarize, summary_of
+from orchestrator.telemetry.summary import summarize
 
 LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})  # runtime still counts
 
@@ -82,12 +81,11 @@ def last_metrics(run_dir: str) -> dict[str, Any] | None:
     return None
 
 
-def read_result(run_dir: str, digest: Digest | None = None) -> Result:
-    """What the run directory shows now: the last metrics line and the memory section (with
-    ``digest``, the telemetry folded so far, updated in place: only new samples are read)."""
+def read_result(run_dir: str) -> Result:
+    """What the run directory shows now: the last metrics line and the memory section."""
     metrics = last_metrics(run_dir) or {}
     step, loss = metrics.get("step"), metrics.get("train_loss")
-    memory = job_memory(run_dir, digest)
+    memory = job_memory(run_dir)
     flags = memory.get("flags") if memory else None
     return Result(step if isinstance(step, int) else None,
                   float(loss) if isinstance(loss, int | float) else None, peak_bytes(memory),
@@ -112,8 +110,8 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
 
     An attempt that has ended is read from its files once; its result is kept in the registry and
     later calls read that instead (a requeue or correction of the attempt drops it). A first
-    attempt still queued has nothing to read yet. One still running keeps its telemetry digest in
-    the registry, so each call reads only the samples taken since the last.
+    attempt still queued has nothing to read yet. One still running is read each call: its
+    memory from what its sampler folded (``telemetry.fold``), never its samples.
     """
     if num is None:
         jobs = registry.jobs(sweep_id, resources=False)  # not shown: not decoded
@@ -121,17 +119,15 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
     else:
         attempts = registry.attempts(sweep_id, num)
         jobs, latest = [registry.job(sweep_id, num)], ({num: attempts[-1]} if attempts else {})
-    kept, digests = registry.results(sweep_id, num), registry.digests(sweep_id, num)
-    rows, ended, running = [], [], []
+    kept = registry.results(sweep_id, num)
+    rows, ended = [], []
     for job in jobs:
         attempt = latest.get(job.num)
         result = kept.get(attempt.id) if attempt else None
         if result is None and _has_not_run(attempt):
             result = _NO_RESULT
         elif result is None and attempt is not None and attempt.state not in TERMINAL_STATES:
-            digest = _digest(digests.get(attempt.id))
-            result = read_result(job.run_dir, digest)
-            running.append((attempt.id, digest.to_json()))
+            result = read_result(job.run_dir)
         elif result is None:
             result = read_result(job.run_dir)
             if attempt is not None:
@@ -139,16 +135,7 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[
         rows.append(JobRow(job, attempt, result))
     if ended:
         registry.keep_results(ended)
-    if running:
-        registry.keep_digests(running)
     return rows
-
-
-def _digest(state: dict[str, Any] | None) -> Digest:
-    try:
-        return Digest.from_json(state) if state else Digest()
-    except (KeyError, TypeError, ValueError):  # written by another version: fold from the start
-        return Digest()
 
 
 def keep_ended_results(registry: Registry, sweep_id: int) -> None:
@@ -157,10 +144,10 @@ def keep_ended_results(registry: Registry, sweep_id: int) -> None:
     job_rows(registry, sweep_id)
 
 
-def job_memory(run_dir: str, digest: Digest | None = None) -> dict[str, Any] | None:
+def job_memory(run_dir: str) -> dict[str, Any] | None:
     """The run's memory section: from summary.json once it ended, from what rank 0 summarised as
-    it failed, else from its telemetry so far (a run still going, or one killed outright);
-    ``digest``: what an earlier call folded of it, brought up to date in place."""
+    it failed, else from what each node's sampler folded so far (a run still going, or one killed
+    outright): never more than ``fold.TAIL_BYTES`` of a node's raw samples."""
     try:
         with open(os.path.join(run_dir, "summary.json"), "rb") as f:
             memory = json.loads(f.read()).get("memory")
@@ -171,16 +158,13 @@ def job_memory(run_dir: str, digest: Digest | None = None) -> dict[str, Any] | N
         return memory
     if not os.path.isdir(telemetry_dir(Path(run_dir))):
         return None
-    run = Path(run_dir)
     try:
-        if digest is None:
-            return summarize(run)
-        digest.read_new(run)
-        return summary_of(run, digest)
-    except (OSError, ValueError, KeyError):  # files being written right now: show nothing yet
-        if digest is not None:
-            digest.clear()  # a fold that stopped part way would count its samples twice next time
-        return None
+        return summarize(Path(run_dir))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # damaged files: said, not waited on
+        why = f"no summary: its telemetry could not be read ({type(e).__name__}: {e})"
+        return {"mode": "none", "num_samples": 0, "duration_s": 0.0,
+                "sample_cost_ms": {"mean": None, "max": None}, "gpus": [], "ranks": [], "nodes": [],
+                "flags": [], "notes": [why]}
 
 
 def peak_bytes(memory: dict[str, Any] | None) -> int | None:

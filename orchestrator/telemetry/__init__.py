@@ -10,6 +10,8 @@ in the summary. One module per step, in the order a run meets them:
 - ``preflight``: before the process group starts, the node's GPUs against the job's request;
 - ``sampler``: the thread on local rank 0 of each node that records memory over time;
 - ``stats``: the samples read back, per GPU and per rank;
+- ``fold``: what the sampler folds as it samples and writes beside them (statistics, a bounded
+  series), which is all ``switchyard status`` and ``plot`` read;
 - ``flags``: idle GPUs, GPU 0 overload, a rank on another rank's GPU, a rank's private memory;
 - ``summary``: ``summary.json["memory"]`` and its text for ``switchyard status``;
 - ``plot``: ``switchyard plot``.

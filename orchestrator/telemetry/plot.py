@@ -10,37 +10,45 @@ from typing import Any
 from orchestrator.telemetry.common import GIB, Record, TelemetryError, gib
 from orchestrator.telemetry.files import telemetry_dir
 from orchestrator.telemetry.flags import heavy_gpus, is_idle
+from orchestrator.telemetry.fold import read_digest, read_series
 from orchestrator.telemetry.stats import Digest, GpuStats, load_records
 from orchestrator.telemetry.summary import summary_of
 
 
-def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+def plot_run(run_dir: Path, out: Path | None = None, raw: bool = False) -> Path:
     """Memory over time, one subplot per node, one line per GPU (per rank on CPU) -> a PNG path.
 
-    Default output: ``RUN/telemetry/memory.png``. Raises :class:`TelemetryError` when nothing was
-    sampled or matplotlib is missing.
+    Draws each node's downsampled series (at most ``fold.MAX_POINTS`` points, each the peak of the
+    samples it stands for), or with ``raw`` every sample. Default output:
+    ``RUN/telemetry/memory.png``. Raises :class:`TelemetryError` when nothing was sampled or
+    matplotlib is missing.
     """
-    figure = memory_figure(run_dir)
+    figure = memory_figure(run_dir, raw)
     path = Path(out) if out is not None else telemetry_dir(run_dir) / "memory.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     return path
 
 
-def memory_figure(run_dir: Path) -> Any:
+def memory_figure(run_dir: Path, raw: bool = False) -> Any:
     """The matplotlib Figure ``plot_run`` saves."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
         raise TelemetryError("plotting needs matplotlib: pip install matplotlib") from e
-    records = load_records(run_dir)
+    notes: list[str] = []
+    if raw:
+        records = load_records(run_dir)
+        digest = Digest.of(records)
+    else:
+        records, notes = read_series(run_dir)
+        digest, _ = read_digest(run_dir)
     if not records:
         raise TelemetryError(f"no telemetry samples in {telemetry_dir(run_dir)}: was the memory sampler "
                              f"started (it runs on local rank 0 of each node)?")
-    digest = Digest.of(records)
     marks = _verdicts(digest.gpu_list())
-    flags = summary_of(run_dir, digest)["flags"]
+    flags = summary_of(run_dir, digest)["flags"] + notes
     nodes = sorted({r["node"] for r in records})
     # the Figure/Agg API touches no pyplot global state, so plotting is safe from any thread
     figure = Figure(figsize=(10, 3.2 * len(nodes) + 0.25 * min(len(flags), 8) + 0.6))

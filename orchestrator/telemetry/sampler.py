@@ -12,12 +12,13 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import psutil
 
 from orchestrator.telemetry.common import Record
 from orchestrator.telemetry.files import RankInfo, node_file, read_rank, telemetry_dir
+from orchestrator.telemetry.fold import NodeFold
 from orchestrator.telemetry.nvml import NVML_ERRORS, NvmlApi, NvmlChoice, resolve_nvml, visible_gpus
 
 DEFAULT_INTERVAL_S = 5.0  # a sample: ~9 ms through NVML on an H100 node; 5 s still catches a slow leak
@@ -110,7 +111,8 @@ class MemorySampler:
         self._uss_due: dict[int, float] = {}  # pid -> monotonic time its USS may be read again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._file: TextIO | None = None
+        self._file: BinaryIO | None = None
+        self._fold: NodeFold | None = None
         self._reported_error = False
         self._stopped = False
 
@@ -186,10 +188,13 @@ class MemorySampler:
             record["ended"] = self._ended
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a")  # noqa: SIM115 -- held open across samples, closed in stop()
+            self._fold = NodeFold.resume(self.path)  # what earlier attempts sampled into this file
+            self._file = open(self.path, "ab")  # noqa: SIM115 -- held open across samples, closed in stop()
         # flush, no fsync: a killed process keeps what the kernel has; fsync would make samples cost ms
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write((json.dumps(record) + "\n").encode())
         self._file.flush()
+        if self._fold is not None:
+            self._fold.add(record, self._file.tell())  # the fold, written beside: what status reads
         return record
 
     def _sample_gpus(self, nvml: NvmlApi) -> list[Record]:

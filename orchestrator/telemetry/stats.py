@@ -71,6 +71,25 @@ class GpuStats:
             if p.get("rank") is not None:
                 self._add_process(int(p["rank"]), p.get("used_bytes"))
 
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ranks": sorted(self.ranks),
+                "process_peaks": [[r, b] for r, b in self.process_peaks.items()]}
+
+    @classmethod
+    def from_json(cls, g: dict[str, Any]) -> GpuStats:
+        return cls(**{**g, "ranks": set(g["ranks"]),
+                        "process_peaks": {int(r): b for r, b in g["process_peaks"]}})
+
+    def merge(self, other: GpuStats) -> None:
+        """Fold in another fold of the same GPU (its samples, taken by another file's reader)."""
+        self.num_samples += other.num_samples
+        self.total_bytes = other.total_bytes or self.total_bytes
+        self.peak_used_bytes = max(self.peak_used_bytes, other.peak_used_bytes)
+        self.util_sum, self.util_count = self.util_sum + other.util_sum, self.util_count + other.util_count
+        self.ranks |= other.ranks
+        for rank, used in other.process_peaks.items():
+            self._add_process(rank, used)
+
     def _add_process(self, rank: int, used: int | None) -> None:
         if rank not in self.process_peaks:
             self.process_peaks[rank] = used
@@ -92,6 +111,12 @@ class RankStats:
         self.peak_rss_bytes = max(self.peak_rss_bytes, int(r["rss_bytes"]))
         if r.get("uss_bytes") is not None:
             self.peak_uss_bytes = max(self.peak_uss_bytes or 0, int(r["uss_bytes"]))
+
+    def merge(self, other: RankStats) -> None:
+        """The same rank sampled on another node (a requeue that moved it)."""
+        self.peak_rss_bytes = max(self.peak_rss_bytes, other.peak_rss_bytes)
+        if other.peak_uss_bytes is not None:
+            self.peak_uss_bytes = max(self.peak_uss_bytes or 0, other.peak_uss_bytes)
 
 
 @dataclass
@@ -165,6 +190,32 @@ class Digest:
         if ranks:
             self.nodes.setdefault(node, NodeTotals(node)).add(ranks)
 
+    def merge(self, other: Digest) -> None:
+        """Fold in another digest (another node's file): every statistic is a peak, sum or count,
+        so merging folds equals folding every sample once."""
+        self.num_samples += other.num_samples
+        ts = [t for t in (self.first_t, other.first_t) if t is not None]
+        self.first_t = min(ts) if ts else None
+        ts = [t for t in (self.last_t, other.last_t) if t is not None]
+        self.last_t = max(ts) if ts else None
+        self.cost_sum, self.cost_count = self.cost_sum + other.cost_sum, self.cost_count + other.cost_count
+        costs = [c for c in (self.cost_max, other.cost_max) if c is not None]
+        self.cost_max = max(costs) if costs else None
+        for key, g in other.gpus.items():
+            if key in self.gpus:
+                self.gpus[key].merge(g)
+            else:
+                self.gpus[key] = GpuStats.from_json(g.to_json())
+        for rank, r in other.ranks.items():
+            if rank in self.ranks:
+                self.ranks[rank].merge(r)
+            else:
+                self.ranks[rank] = RankStats(**asdict(r))
+        for node, n in other.nodes.items():  # one file per node: a node is never in both
+            self.nodes[node] = NodeTotals(**{**asdict(n), "last_uss": dict(n.last_uss)})
+        self.processes_listed += other.processes_listed
+        self.processes_matched += other.processes_matched
+
     def read_new(self, run_dir: Path) -> None:
         """Fold what each node's file gained since the last call (whole lines only: the sampler
         may be writing one). A file shorter than what was folded was replaced: everything is
@@ -199,9 +250,7 @@ class Digest:
 
     def to_json(self) -> dict[str, Any]:
         state = asdict(self)
-        state["gpus"] = [{**asdict(g), "ranks": sorted(g.ranks),
-                          "process_peaks": [[r, b] for r, b in g.process_peaks.items()]}
-                         for g in self.gpus.values()]
+        state["gpus"] = [g.to_json() for g in self.gpus.values()]
         state["ranks"] = [asdict(r) for r in self.ranks.values()]
         state["nodes"] = [{**asdict(n), "last_uss": [[r, b] for r, b in n.last_uss.items()]}
                           for n in self.nodes.values()]
@@ -211,8 +260,7 @@ class Digest:
     def from_json(cls, state: dict[str, Any]) -> Digest:
         digest = cls(**{k: v for k, v in state.items() if k not in ("gpus", "ranks", "nodes")})
         for g in state["gpus"]:
-            stats = GpuStats(**{**g, "ranks": set(g["ranks"]),
-                                "process_peaks": {int(r): b for r, b in g["process_peaks"]}})
+            stats = GpuStats.from_json(g)
             digest.gpus[(stats.node, stats.index)] = stats
         digest.ranks = {int(r["rank"]): RankStats(**r) for r in state["ranks"]}
         digest.nodes = {n["node"]: NodeTotals(**{**n, "last_uss": {int(r): b for r, b in n["last_uss"]}})

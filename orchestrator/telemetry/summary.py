@@ -8,6 +8,7 @@ from pathlib import Path
 from orchestrator.telemetry.common import Record, gib, rank_list
 from orchestrator.telemetry.files import RankInfo, load_peaks, load_ranks, telemetry_dir
 from orchestrator.telemetry.flags import cross_device_flags, idle_flags, imbalance_flags, uss_imbalance_flags
+from orchestrator.telemetry.fold import read_digest
 from orchestrator.telemetry.stats import Digest, GpuStats, RankStats
 
 
@@ -15,15 +16,23 @@ def summarize(run_dir: Path) -> Record:
     """The ``memory`` section of summary.json: per-GPU and per-rank peaks, and flags. JSON-serialisable.
 
     Works on a run still in progress (it reads what has been sampled so far) and on one that
-    recorded nothing (mode ``"none"``).
+    recorded nothing (mode ``"none"``). Reads what each node's sampler folded as it sampled, not
+    the samples (``fold``): its time does not grow with how long the run ran.
     """
+    digest, notes = read_digest(run_dir)
+    return summary_of(run_dir, digest, notes)
+
+
+def summarize_raw(run_dir: Path) -> Record:
+    """The same from every raw sample, folded here (what the sampler's fold must equal)."""
     digest = Digest()
     digest.read_new(run_dir)
     return summary_of(run_dir, digest)
 
 
-def summary_of(run_dir: Path, digest: Digest) -> Record:
-    """The memory section from the folded samples and the ranks' own files (small, read whole)."""
+def summary_of(run_dir: Path, digest: Digest, notes: list[str] | None = None) -> Record:
+    """The memory section from the folded samples and the ranks' own files (small, read whole);
+    ``notes``: what the fold's reader said (a node summarised from its last samples only)."""
     ranks = {r.rank: r for r in load_ranks(run_dir)}
     peaks = load_peaks(run_dir)
     gpus, cpu_ranks = digest.gpu_list(), digest.rank_list()
@@ -37,7 +46,7 @@ def summary_of(run_dir: Path, digest: Digest) -> Record:
                        "peak_total_uss_bytes": n.peak_total_uss_bytes}
                       for _, n in sorted(digest.nodes.items())],
             "flags": flags,
-            "notes": _notes(digest, run_dir)}
+            "notes": _notes(digest, run_dir) + list(notes or [])}
 
 
 def _sampling(digest: Digest) -> Record:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_nvml import opened_samples
 from slurm_fakes import calls, fake_slurm
 
 from orchestrator.launch import slurm_query
@@ -25,7 +26,7 @@ from orchestrator.registry.db import Attempt, Job, Observation, Registry, Result
 from orchestrator.registry.states import SUBMITTED
 from orchestrator.sweeps import results
 from orchestrator.sweeps.status import cmd_show, cmd_status
-from orchestrator.telemetry import stats
+from orchestrator.telemetry import fold
 
 GIB = 2**30
 
@@ -215,9 +216,9 @@ def test_a_queued_first_attempt_opens_no_files_and_a_queued_retry_shows_its_prog
     read: list[str] = []
     read_result = results.read_result
 
-    def counted(run_dir: str, *digest: Any) -> Result:
+    def counted(run_dir: str) -> Result:
         read.append(run_dir)
-        return read_result(run_dir, *digest)
+        return read_result(run_dir)
 
     monkeypatch.setattr(results, "read_result", counted)
     slurm_sweep(ended_sweep, tmp_path / "queued", 3)  # sweep 2: three first attempts, queued
@@ -230,31 +231,25 @@ def test_a_queued_first_attempt_opens_no_files_and_a_queued_retry_shows_its_prog
     assert read == [str(tmp_path / "1")]
 
 
-def test_a_running_jobs_telemetry_is_folded_once_then_only_its_new_samples(
+def test_a_running_jobs_memory_comes_from_its_samplers_fold_not_its_samples(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """status keeps a running job's telemetry digest in the registry: each call reads only the
-    samples taken since the last (a day of them is 0.2 s per job to parse again), and the digest
-    goes when the job's result is kept."""
+    """status reads what the sampler folded beside its samples (a day of samples was 0.2 s per job
+    to parse): the raw file is not opened while the fold covers it, and a sample the fold missed
+    (the sampler killed between its two writes) is read from the raw file's end."""
     fake_slurm(tmp_path, monkeypatch, sacct="true")
     reg = Registry(tmp_path / "r.db")
     _, claims = slurm_sweep(reg, tmp_path, 1)
     reg.observe([Observation(claims[0], "RUNNING", started_at=1.0)])
     write_telemetry(tmp_path / "0", rss_bytes=3 * GIB)
-    folded: list[float] = []
-    add = stats.Digest.add
-
-    def counted(self: stats.Digest, record: dict[str, Any]) -> None:
-        folded.append(record["t"])
-        add(self, record)
-
-    monkeypatch.setattr(stats.Digest, "add", counted)
-    assert table(status_text(reg))["1/0"][8:10] == ["3.00", "GiB"] and len(folded) == 12
-    assert list(reg.digests(1)) == [claims[0]]
+    raw = tmp_path / "0" / "telemetry" / "n1.jsonl"
+    fold.NodeFold.resume(raw).write()  # what the sampler leaves after its samples
+    with opened_samples() as opened:
+        assert table(status_text(reg))["1/0"][8:10] == ["3.00", "GiB"]
+    assert opened == []
     line = {"t": 2000.0, "node": "n1", "ranks": [{"rank": 0, "pid": 10, "rss_bytes": 5 * GIB}]}
-    with open(tmp_path / "0" / "telemetry" / "n1.jsonl", "a") as f:
+    with open(raw, "a") as f:
         f.write(json.dumps(line) + "\n" + '{"t": 2005.0, "node": "n1", "ran')  # one being written
     assert table(status_text(reg))["1/0"][8:10] == ["5.00", "GiB"]
-    assert folded[12:] == [2000.0]  # only the new whole line
     reg.observe([Observation(claims[0], "COMPLETED", exit_code=0, ended_at=9.0)])
     status_text(reg)
-    assert reg.digests(1) == {} and list(reg.results(1)) == [claims[0]]
+    assert list(reg.results(1)) == [claims[0]]

@@ -73,20 +73,3 @@ def test_a_replaced_file_is_folded_again_from_its_start(tmp_path: Path) -> None:
     node_file.write_text(node_file.read_text().splitlines(keepends=True)[0])  # a new run's first line
     digest.read_new(tmp_path)
     assert summary_of(tmp_path, digest) == summarize(tmp_path)
-
-
-def test_a_fold_that_fails_part_way_keeps_nothing_of_it(tmp_path: Path) -> None:
-    """A sample that cannot be folded (a rank without its RSS) fails the memory section, as a full
-    summary does; the digest forgets what it folded of that call, so no sample counts twice."""
-    from orchestrator.sweeps.results import job_memory
-
-    cpu_run(tmp_path)
-    node_file = telemetry_dir(tmp_path) / "n1.jsonl"
-    good = node_file.read_text()
-    no_rss = {"t": 999.0, "node": "n1", "ranks": [{"rank": 0, "pid": 10}]}
-    node_file.write_text(good + json.dumps(no_rss) + "\n")
-    digest = Digest()
-    assert job_memory(str(tmp_path), digest) is None
-    assert digest == Digest()
-    node_file.write_text(good)  # the sampler's file as it should be: folded from the start
-    assert job_memory(str(tmp_path), digest) == summarize(tmp_path)
