@@ -3,6 +3,8 @@
 Layout::
 
     <node>.jsonl          one JSON line per sample, written by that node's sampler (local rank 0)
+    <node>.fold.json      that sampler's statistics of every sample so far, and <node>.series.json
+                          its downsampled series (``fold``): what status and plot read
     ranks/rank-<R>.json   written by each rank at start: who it is, its pid and its device
     peaks/rank-<R>.json   written by each rank at the end: torch's peak memory, or peak RSS on CPU
     end-summary.json      written by rank 0 when the run fails: the memory section as it ended
@@ -65,13 +67,24 @@ def register_rank(run_dir: Path, rank: int, local_rank: int, node: str, device_i
 
 def read_rank(path: Path) -> RankInfo | None:
     try:
-        return RankInfo(**json.loads(path.read_text()))
+        with open(path, "rb") as f:
+            return RankInfo(**json.loads(f.read()))
     except (OSError, ValueError, TypeError):
         return None  # a foreign or damaged file: that rank is simply unknown
 
 
+def _rank_files(directory: Path) -> list[Path]:
+    """``rank-*.json`` in ``directory`` (os.scandir: status calls this for thousands of jobs)."""
+    try:
+        names = [e.name for e in os.scandir(directory)
+                 if e.name.startswith("rank-") and e.name.endswith(".json")]
+    except FileNotFoundError:
+        return []
+    return [directory / name for name in sorted(names)]
+
+
 def load_ranks(run_dir: Path) -> list[RankInfo]:
-    paths = sorted((telemetry_dir(run_dir) / "ranks").glob("rank-*.json"))
+    paths = _rank_files(telemetry_dir(run_dir) / "ranks")
     return sorted((r for r in map(read_rank, paths) if r is not None), key=lambda r: r.rank)
 
 
@@ -113,7 +126,7 @@ def _cuda_peak(device_index: int) -> Record:
 
 def load_peaks(run_dir: Path) -> dict[int, Record]:
     peaks: dict[int, Record] = {}
-    for path in sorted((telemetry_dir(run_dir) / "peaks").glob("rank-*.json")):
+    for path in _rank_files(telemetry_dir(run_dir) / "peaks"):
         try:
             record = json.loads(path.read_text())
             peaks[int(record["rank"])] = record

@@ -20,6 +20,7 @@ only, and the summary's notes say so. ``switchyard plot --raw`` still reads ever
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,7 +47,13 @@ def series_file(raw: Path) -> Path:
 
 
 def raw_files(run_dir: Path) -> list[Path]:
-    return sorted(telemetry_dir(run_dir).glob("*.jsonl"))
+    """Each node's raw samples (os.scandir: status calls this for thousands of jobs)."""
+    directory = telemetry_dir(run_dir)
+    try:
+        names = sorted(e.name for e in os.scandir(directory) if e.name.endswith(".jsonl"))
+    except FileNotFoundError:
+        return []
+    return [directory / name for name in names]
 
 
 # -- the downsampled series -----------------------------------------------------------------------
@@ -270,7 +277,10 @@ def read_digest(run_dir: Path) -> tuple[Digest, list[str]]:
                 notes.append(_no_fold_note(raw, first, size, why))
             for record, _ in raw_records(raw, first):
                 node.add(record)
-        digest.merge(node)
+        if digest.num_samples or digest.gpus or digest.ranks:
+            digest.merge(node)
+        else:
+            digest = node  # the first node's fold as it is: most jobs have one node
     return digest, notes
 
 
