@@ -65,7 +65,7 @@ def test_lightning_2x2_requeued_on_usr2_sees_the_uninterrupted_runs_samples(
     states = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
     text = logs(tmp_path / "slurm")
     assert states[job_id] == "COMPLETED", text[-3000:]
-    assert f"switchyard: requeued job {job_id}: the command asked to be requeued" in text
+    assert f"switchyard: requeueing job {job_id}: the command asked to be requeued" in text
     assert "world 4 via SLURMEnvironment: done after epoch 2, restart 1" in text
     # the same world (4 ranks, one node) uninterrupted, as the reference
     whole = switchyard_run(tmp_path, "whole", ["parallelism.procs_per_node=4", "telemetry.enabled=false"])

@@ -158,14 +158,18 @@ def test_a_run_job_not_waited_for_is_cancelled_by_its_slurm_id(
 def test_dry_run_prints_the_sbatch_script_and_queues_nothing(
         tmp_path: Path, registry: dict[str, str]) -> None:
     (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
-    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
     proc = switchyard(registry, tmp_path, "run", "--dry-run", *TWO_NODES, f"hydra.run.dir={tmp_path / 'run'}",
                       "--", sys.executable, "ddp.py")
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --ntasks-per-node=2" in proc.stdout
     assert "--kill-on-bad-exit=1" in proc.stdout and "nothing was queued" in proc.stdout
-    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
-    assert set(after.split()) <= set(before.split())
+    # this test runs beside other tests' jobs (queues_nothing): none submitted from its directory,
+    # queued or already ended (sbatch's working directory is the submitting one)
+    queued = subprocess.run(["squeue", "-h", "-o", "%Z"], capture_output=True, text=True, check=True).stdout
+    accounted = subprocess.run(["sacct", "-X", "-n", "-P", "-S", started, "-o", "WorkDir"],
+                               capture_output=True, text=True, check=True).stdout
+    assert not [d for d in (queued + accounted).split() if d.startswith(str(tmp_path))]
     assert "no sweeps recorded" in switchyard(registry, tmp_path, "status").stdout
 
 
