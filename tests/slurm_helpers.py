@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 
 def release_requeue_hold(job_id: str, timeout_s: float = 120) -> None:
@@ -19,3 +21,18 @@ def release_requeue_hold(job_id: str, timeout_s: float = 120) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} was never held for requeue")
+
+
+def wait_for(path: Path, ok: Callable[[str], bool] = lambda text: True, timeout_s: float = 240) -> None:
+    """Until ``path`` exists and its text passes ``ok`` (a rank's progress file, a record)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and ok(path.read_text()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never appeared (or never passed its check)")
+
+
+def logs(run_dir: Path) -> str:
+    """Every rank's output and error log of a ``switchyard run`` job, in one text."""
+    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob("*_log.*")))

@@ -10,31 +10,16 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from lightning_helpers import EVAL_SAMPLES, eval_counts, recipe_command, seen, write_data
-from slurm_helpers import release_requeue_hold
+from slurm_helpers import logs, release_requeue_hold, wait_for
 
 from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("lightning.pytorch")
-
-
-def wait_for(path: Path, ok: Callable[[str], bool], timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and ok(path.read_text()):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{path} never appeared (or never passed its check)")
-
-
-def logs(run_dir: Path) -> str:
-    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob("*_log.*")))
 
 
 def switchyard_run(tmp_path: Path, name: str, overrides: list[str], *args: str

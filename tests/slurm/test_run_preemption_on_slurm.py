@@ -8,13 +8,11 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from script_helpers import IGNORING_SCRIPT, PREEMPTIBLE_SCRIPT
-from slurm_helpers import release_requeue_hold
+from slurm_helpers import logs, release_requeue_hold, wait_for
 
 from orchestrator.launch import slurm_query
 
@@ -34,19 +32,6 @@ def submit(tmp_path: Path, script: str, queued: list[str], *overrides: str) -> t
     assert proc.returncode == 0 and match is not None, proc.stdout + proc.stderr[-3000:]
     queued.append(match.group(1))
     return match.group(1), run_dir
-
-
-def wait_for(path: Path, ok: Callable[[str], bool] = lambda text: True, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and ok(path.read_text()):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{path} never appeared (or never passed its check)")
-
-
-def logs(run_dir: Path) -> str:
-    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob("*_log.*")))
 
 
 def test_the_helper_checkpoints_on_sigusr2_and_the_job_is_requeued_and_resumes(
