@@ -131,6 +131,8 @@ def main() -> None:
         environment = getattr(trainer.strategy, "cluster_environment", None)  # None on one process
         print(f"world {trainer.world_size} via {type(environment).__name__}: "
               f"done after epoch {trainer.current_epoch - 1}, restart {preemption.restart_count()}")
+    if torch.distributed.is_initialized():  # Lightning leaves its process group up: a gloo group
+        torch.distributed.destroy_process_group()  # torn down at exit can abort the process
 
 
 if __name__ == "__main__":
