@@ -53,13 +53,26 @@ def build_model_on_meta(spec: Any, dataset_kwargs: dict[str, Any], memory: Memor
     loads weights refuses it (transformers' ``from_pretrained``: "You are using `from_pretrained`
     with a meta device context manager"), so it is built on the host instead: its weights are read,
     and held once here while the caller runs."""
+    def builder() -> nn.Module:
+        return build_model(spec, dataset_kwargs, memory)
+
+    model = on_meta(builder)
+    return builder() if model is None else model
+
+
+def on_meta(builder: Callable[[], nn.Module]) -> nn.Module | None:
+    """``builder()`` on the meta device, leaving the random state as it found it; None when the
+    factory loads its weights and so refuses the meta device."""
+    state = torch.get_rng_state()
     try:
         with torch.device("meta"):
-            return build_model(spec, dataset_kwargs, memory)
+            return builder()
     except RuntimeError as e:
         if not loads_weights(e):
             raise
-    return build_model(spec, dataset_kwargs, memory)
+        return None
+    finally:
+        torch.set_rng_state(state)
 
 
 def loads_weights(error: BaseException) -> bool:

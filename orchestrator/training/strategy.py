@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from orchestrator.config import ConfigError, MemoryConfig, ParallelismConfig
 from orchestrator.training import runtime
 from orchestrator.training.runtime import Runtime
-from orchestrator.training.step import loads_weights
+from orchestrator.training.step import on_meta
 
 
 def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
@@ -171,15 +171,11 @@ class Fsdp(Ddp):
         (``from_pretrained`` refuses the meta device): each rank reads them on the host."""
         if self.rt.env.world_size == 1:
             return self.wrap(builder())
+        model = on_meta(builder)
+        if model is None:  # every rank runs the same factory: all of them land here, with the same
+            return self.wrap(builder())  # random state, so what the factory initialises is equal
         full = builder().state_dict() if self.rt.is_main else {}
         after = torch.get_rng_state()
-        try:
-            with torch.device("meta"):
-                model = builder()
-        except RuntimeError as e:  # every rank runs the same factory: all of them land here
-            if not loads_weights(e):
-                raise
-            return self.wrap(builder())
         # every rank leaves with the random state one host build leaves, as every rank does under ddp
         box = [after if self.rt.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)

@@ -243,6 +243,51 @@ class Net(RowPoolingMLP):
 '''
 
 
+WEIGHT_LOADING_MODEL = '''
+import os
+from pathlib import Path
+
+import torch
+
+from jobs.models import RowPoolingMLP
+
+
+class Net(RowPoolingMLP):
+    """Refuses the meta device as from_pretrained does, and initialises its own weights (as a new
+    head on pretrained weights is): each build notes <pid>-<count> = the head's weight sum."""
+
+    def __init__(self, **kwargs):
+        if torch.empty(0).is_meta:
+            raise RuntimeError("You are using `from_pretrained` with a meta device context manager")
+        super().__init__(**kwargs)
+        log = Path(os.environ["BUILD_LOG"])
+        count = len(list(log.glob(f"{os.getpid()}-*")))
+        (log / f"{os.getpid()}-{count}").write_text(repr(float(self.head.weight.sum())))
+'''
+
+
+def test_a_model_that_loads_its_weights_starts_alike_on_every_fsdp_rank(tmp_path: Path) -> None:
+    """Such a model is built whole on every rank: what its factory initialises must come out the same
+    everywhere, as no broadcast follows. Rank 0 used to build it twice (once on the host before
+    trying the meta device), so its last build drew other random numbers than rank 1's."""
+    (tmp_path / "weight_loading.py").write_text(WEIGHT_LOADING_MODEL)
+    (tmp_path / "builds").mkdir()
+    env = {**os.environ, "BUILD_LOG": str(tmp_path / "builds"),
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    ok(run_train(*SMALL, "model=custom", "model._target_=weight_loading.Net", "parallelism.strategy=fsdp",
+                 "parallelism.procs_per_node=2", "optim.max_steps=1", "memory.estimate=off",
+                 cache_dir=tmp_path / "cache", run_dir=tmp_path / "run", env=env))
+    ranks = [json.loads(p.read_text())["pid"]
+             for p in (tmp_path / "run" / "telemetry" / "ranks").glob("rank-*.json")]
+
+    def last_build(pid: int) -> str:
+        builds = (tmp_path / "builds").glob(f"{pid}-*")
+        return max(builds, key=lambda p: int(p.name.split("-")[1])).read_text()
+
+    last = {pid: last_build(pid) for pid in ranks}
+    assert len(ranks) == 2 and len(set(last.values())) == 1, last
+
+
 def test_only_rank_0_holds_the_whole_model_on_the_host(tmp_path: Path) -> None:
     """The other ranks build on the meta device and receive their shards: 4 ranks of a node hold the
     weights once in host memory, not 4 times. The same weights as ddp's (see the ddp comparison)."""
