@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.config import ConfigError, ContainerConfig, invalid
+from orchestrator.launch import snapshot
 
 # Variables the batch script sets for the ranks (``snapshot.setup_lines``): pyxis gives the image's
 # own value precedence unless named in --container-env.
@@ -110,21 +111,35 @@ def all_mounts(container: ContainerConfig, derived: Sequence[Mount]) -> list[Mou
     return [*derived, *(m for m in extra if m not in derived)]
 
 
-def container_name(run_dir: Path) -> str:
-    """pyxis's name for the imported image: the same for every attempt of one run, so a requeue
-    finds it on the node instead of importing it again."""
-    return "switchyard-" + hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:12]
+def container_name(run_dir: Path, container: ContainerConfig) -> str:
+    """pyxis's name for the imported image: the same for every attempt of one run in one image, so
+    a requeue finds it on the node instead of importing it again. pyxis reuses a named container
+    without looking at the image, so another image (or a local image file rebuilt since: its size
+    and time of last change) gets another name, and a resubmission never runs the old one."""
+    image = image_ref(container)
+    key = [str(run_dir.absolute()), image]
+    if is_local_file(image) and Path(image).is_file():
+        stat = Path(image).stat()
+        key += [str(stat.st_size), str(stat.st_mtime_ns)]
+    return "switchyard-" + hashlib.sha256("\0".join(key).encode()).hexdigest()[:12]
+
+
+def image_ref(container: ContainerConfig) -> str:
+    """The image as the nodes are told it: a local file by its absolute path (a ``~`` or a relative
+    path would be read on the node, from another home or directory), a URI as it is."""
+    image = str(container.image)
+    return str(Path(image).expanduser().absolute()) if is_local_file(image) else image
 
 
 def srun_args(container: ContainerConfig, mounts: Sequence[Mount], run_dir: Path) -> list[str]:
     """pyxis's srun arguments (none for another runtime)."""
     if container.runtime != "pyxis":
         return []
-    args = [f"--container-image={container.image}",
+    args = [f"--container-image={image_ref(container)}",
             f"--container-mounts={','.join(m.spec() for m in mounts)}",
             f"--container-workdir={container.workdir or os.getcwd()}",
             f"--container-env={','.join(dict.fromkeys([*PASSED_ENV, *container.env]))}",
-            f"--container-name={container_name(run_dir)}"]
+            f"--container-name={container_name(run_dir, container)}"]
     args.append("--container-mount-home" if container.mount_home else "--no-container-mount-home")
     args.append("--container-writable" if container.writable else "--container-readonly")
     return args
@@ -146,7 +161,7 @@ def python(container: ContainerConfig, mounts: Sequence[Mount], gpus_per_node: i
     for name in container.env:  # apptainer passes the environment on; these override the image's
         argv += ["--env", f"{name}=${{{name}}}"]
     argv += ["--bind", ",".join(m.spec() for m in mounts), "--pwd", container.workdir or os.getcwd(),
-             str(container.image), IMAGE_PYTHON]
+             image_ref(container), IMAGE_PYTHON]
     return " ".join(a if a.startswith("--env") or "${" in a else shlex.quote(a) for a in argv)
 
 
@@ -154,7 +169,7 @@ def setup_line(container: ContainerConfig) -> str:
     """The job script's line that tells the ranks their image and the submitter's Switchyard
     (``rank_check``)."""
     version = own_version() or "unknown"
-    return f"export {IMAGE_ENV}={shlex.quote(str(container.image))} {VERSION_ENV}={version}"
+    return f"export {IMAGE_ENV}={shlex.quote(image_ref(container))} {VERSION_ENV}={version}"
 
 
 def own_version() -> str | None:
@@ -199,7 +214,12 @@ def check(container: ContainerConfig, dry_run: bool = False, srun_help: str | No
     check_image_file(container)
     warnings = []
     if container.runtime == "pyxis":
-        text = srun_help if srun_help is not None else _srun_help()
+        try:
+            text = srun_help if srun_help is not None else _srun_help()
+        except ConfigError as e:  # no srun here: a dry run's script can still be looked at
+            if not dry_run:
+                raise
+            return [f"{e}; the script below is shown unchecked"]
         if "--container-image" not in text:
             why = ("this cluster's srun has no --container-image option: pyxis (the SLURM plugin "
                    "behind container=pyxis) is not installed")
@@ -238,7 +258,7 @@ def identity(container: ContainerConfig) -> dict[str, str | None] | None:
     digest = None
     if is_local_file(image):
         check_image_file(container)  # it is recorded before the other checks run
-        path = Path(image).expanduser().absolute()
+        path = Path(image_ref(container))
         stat = path.stat()
         digest = file_digest(path, stat.st_size, stat.st_mtime_ns)
     elif "@sha256:" in image:
@@ -250,11 +270,7 @@ def identity(container: ContainerConfig) -> dict[str, str | None] | None:
 def file_digest(path: Path, size: int, mtime_ns: int) -> str:
     """An image file's sha256, read once per submission for all the points of a sweep (the size
     and time of last change are part of the key: a rebuilt image is read again)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return f"sha256:{h.hexdigest()}"
+    return f"sha256:{snapshot.file_hash(path)}"
 
 
 def describe(found: dict[str, str | None] | None) -> str:

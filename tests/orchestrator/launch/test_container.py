@@ -1,7 +1,7 @@
 """``container=pyxis|apptainer``: the srun line in the script the dry run prints (which is the one
 submitted: ``submit.sbatch_script`` renders the executor's own), the mounts derived from the config,
 and the refusals before submission. The run through a real (stand-in) runtime on the local SLURM
-cluster is in tests/slurm/test_container_job.py."""
+cluster is in tests/slurm/test_container_on_slurm.py."""
 
 from __future__ import annotations
 
@@ -55,12 +55,42 @@ def test_pyxis_puts_the_image_mounts_and_a_per_run_name_on_srun(
         f"--container-workdir={tmp_path}",
         "--container-env=PYTHONPATH,PYTHONSAFEPATH,SWITCHYARD_SNAPSHOT,SWITCHYARD_IMAGE,"
         "SWITCHYARD_SUBMITTED_VERSION,HF_TOKEN",
-        f"--container-name={container.container_name(tmp_path / 'run')}",
+        f"--container-name={container.container_name(tmp_path / 'run', box)}",
         "--no-container-mount-home", "--container-readonly",
         "python", "-u", "-m", "submitit.core._submit", str(tmp_path / "run" / "submitit")]
-    # a requeue (the same run directory) names the same container: pyxis imports the image once
-    assert container.container_name(tmp_path / "run") == container.container_name(tmp_path / "run")
-    assert container.container_name(tmp_path / "run") != container.container_name(tmp_path / "other")
+    # a requeue (the same run directory and image) names the same container: pyxis imports the
+    # image once; another run, another image or a rebuilt image file gets its own
+    name = container.container_name(tmp_path / "run", box)
+    assert name == container.container_name(tmp_path / "run", dataclasses.replace(box, env=[]))
+    assert name != container.container_name(tmp_path / "other", box)
+    assert name != container.container_name(tmp_path / "run", dataclasses.replace(box, image="other:1"))
+    local = dataclasses.replace(box, image=str(tmp_path / "torch.sqsh"))
+    (tmp_path / "torch.sqsh").write_bytes(b"one")
+    built = container.container_name(tmp_path / "run", local)
+    (tmp_path / "torch.sqsh").write_bytes(b"rebuilt")
+    assert container.container_name(tmp_path / "run", local) != built
+
+
+def test_a_local_image_reaches_the_nodes_by_its_absolute_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "torch.sqsh").write_bytes(b"image")
+    for image in ("~/torch.sqsh", "./torch.sqsh"):
+        box = ContainerConfig(runtime="pyxis", image=image)
+        args = container.srun_args(box, [], tmp_path / "run")
+        assert args[0] == f"--container-image={tmp_path / 'torch.sqsh'}", image
+        assert container.setup_line(box).startswith(f"export SWITCHYARD_IMAGE={tmp_path / 'torch.sqsh'} ")
+
+
+def test_a_pyxis_dry_run_without_srun_here_warns_and_a_submission_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    box = ContainerConfig(runtime="pyxis", image="nvcr.io#nvidia/pytorch:24.05-py3")
+    [warning] = container.check(box, dry_run=True)
+    assert "container=pyxis needs srun to check for pyxis" in warning and "shown unchecked" in warning
+    with pytest.raises(ConfigError, match="container=pyxis needs srun to check for pyxis"):
+        container.check(box)
 
 
 @pytest.mark.parametrize("gpus, flag", [(8, ["--nv"]), (0, [])])
