@@ -46,6 +46,7 @@ from torch import nn
 
 from orchestrator import atomic
 from orchestrator.config import ModelCompileConfig, TrainConfig, check_compile, group_dict
+from orchestrator.training import blocks
 
 COMPILE_KEYS = tuple(f.name for f in dataclasses.fields(ModelCompileConfig))
 CACHE_DIR = "compile_cache"
@@ -79,23 +80,19 @@ def spec_of(model_spec: Any) -> CompileSpec:
     return split(group_dict(model_spec))[1]
 
 
-def units(model: nn.Module) -> list[nn.Module]:
-    """What is compiled one by one: the fsdp units, else ``_no_split_modules``' classes, else all."""
-    if callable(getattr(model, "fsdp_units", None)):
-        found = list(model.fsdp_units())  # type: ignore[operator]  # checked callable above
-    else:
-        names = set(getattr(model, "_no_split_modules", None) or ())
-        found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    return found or [model]
+def units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """What is compiled one by one: the blocks fsdp shards (``blocks.choose``), else the whole model."""
+    return blocks.choose(model, class_names)[0] or [model]
 
 
-def compile_in_place(model: nn.Module, spec: CompileSpec) -> nn.Module:
-    """Each unit's forward compiled (``nn.Module.compile``: the module object and its parameter
-    names stay); returns ``model``."""
-    for unit in units(model):
+def compile_in_place(model: nn.Module, spec: CompileSpec, class_names: list[str]) -> int:
+    """Each block's forward compiled (``nn.Module.compile``: the module object and its parameter
+    names stay); returns how many were."""
+    found = units(model, class_names)
+    for unit in found:
         unit.compile(fullgraph=spec.fullgraph, dynamic=spec.dynamic, backend=spec.backend,
                      mode=None if spec.mode == "default" else spec.mode)
-    return model
+    return len(found)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +230,7 @@ class CompileReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
-def prepare(spec: CompileSpec, model: nn.Module, cfg: TrainConfig, run_dir: Path, is_main: bool,
+def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: Path, is_main: bool,
             warm: Callable[[], None]) -> tuple[CompileReport, Recompiles]:
     """Load the cache if there is one, compile everything (``warm``), publish the cache (rank 0,
     when there was none to load)."""
@@ -248,7 +245,7 @@ def prepare(spec: CompileSpec, model: nn.Module, cfg: TrainConfig, run_dir: Path
     cache = "loaded" if loaded else "none"
     if not loaded and is_main and save_cache(path):
         cache = "published"
-    report = CompileReport(spec.backend, spec.mode, len(units(model)),
+    report = CompileReport(spec.backend, spec.mode, compiled_units,
                            round(time.perf_counter() - started, 3), cache,
                            warnings=[warning] if warning else [])
     return report, recompiles

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from orchestrator.config import ConfigError, MemoryConfig, ParallelismConfig
-from orchestrator.training import runtime
+from orchestrator.training import blocks, runtime
 from orchestrator.training.runtime import Runtime
 from orchestrator.training.step import on_meta
 
@@ -61,22 +61,15 @@ def describe_units(model: nn.Module, class_names: list[str]) -> str:
 
 
 def _units(model: nn.Module, class_names: list[str]) -> tuple[list[nn.Module], str]:
-    """-> (the units, innermost first; where their choice came from)."""
+    """-> (the units, innermost first; where their choice came from: ``blocks.choose``)."""
     name = f"{type(model).__module__}.{type(model).__qualname__}"
-    no_split = no_split_modules(model)
-    if class_names:
-        units, source = _of_classes(model, class_names), f"parallelism.fsdp_units={class_names}"
-        if not units:
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(f"parallelism.fsdp_units={class_names} is invalid: model {name} has no "
-                              f"module of these classes (its classes: {', '.join(classes)}; try "
-                              f"parallelism.fsdp_units=[<the class of one block>])")
-    elif callable(getattr(model, "fsdp_units", None)):
-        units = list(model.fsdp_units())  # type: ignore[operator]  # checked callable above
-        source = "the model's fsdp_units()"
-    elif no_split and (units := _of_classes(model, no_split)):
-        source = "the model's _no_split_modules"
-    else:
+    units, source = blocks.choose(model, class_names)
+    if class_names and not units:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(f"parallelism.fsdp_units={class_names} is invalid: model {name} has no "
+                          f"module of these classes (its classes: {', '.join(classes)}; try "
+                          f"parallelism.fsdp_units=[<the class of one block>])")
+    if source is None:
         raise ConfigError(f"parallelism.strategy='fsdp' has nothing to shard in model {name}: give it "
                           f"an fsdp_units() method returning its blocks, or name their class (try "
                           f"parallelism.fsdp_units=[Block], or parallelism.strategy=ddp)")
@@ -85,24 +78,6 @@ def _units(model: nn.Module, class_names: list[str]) -> tuple[list[nn.Module], s
                           f"units hold no parameters (try parallelism.strategy=ddp)")
     order = {id(m): depth for depth, m in enumerate(model.modules())}
     return sorted(units, key=lambda m: -order[id(m)]), source  # children come after parents in modules()
-
-
-def no_split_modules(model: nn.Module) -> list[str]:
-    """The block classes a model names in ``_no_split_modules``, its own and its submodules' (a
-    wrapper around a Hugging Face model, or a model holding two), in the order first named."""
-    names: dict[str, None] = {}
-    for module in model.modules():
-        for class_name in getattr(module, "_no_split_modules", None) or []:
-            if isinstance(class_name, str):
-                names[class_name] = None
-    return list(names)
-
-
-def _of_classes(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """Every module but the root whose class is one of ``class_names`` (plain or dotted names)."""
-    wanted = set(class_names)
-    return [m for m in model.modules() if m is not model and
-            (type(m).__name__ in wanted or f"{type(m).__module__}.{type(m).__qualname__}" in wanted)]
 
 
 def mixed_precision(memory: MemoryConfig, parallelism: ParallelismConfig) -> MixedPrecisionPolicy:

@@ -86,6 +86,7 @@ class Trainer:
         self.checkpointer = checkpointing.for_run(self.strategy.name, rt, cfg.checkpoint,
                                                   self.checkpoint_dir, self.strategy.module)
         self.compile_spec = compiling.spec_of(cfg.model)  # activation checkpointing, compile, wrap
+        self.compiled_units = 0
         self.model = self.strategy.build(lambda: self.compiled(build_model(cfg.model, dataset_kwargs,
                                                                            cfg.memory)))
         self.kernels = optimizer_kernels(cfg.optim, rt.device)  # optim.implementation
@@ -100,7 +101,7 @@ class Trainer:
         if self.compile_spec.enabled:  # the warm-up settles DDP's buckets as settle() would
             self.clock.mark("model")
             self.compile_report, self.recompiles = compiling.prepare(
-                self.compile_spec, self.strategy.module(self.model), cfg, run_dir, rt.is_main,
+                self.compile_spec, self.compiled_units, cfg, run_dir, rt.is_main,
                 self.warm_up)
             self.clock.mark("compile")
         else:
@@ -129,7 +130,10 @@ class Trainer:
     # -- compile --------------------------------------------------------------------------------
 
     def compiled(self, model: torch.nn.Module) -> torch.nn.Module:
-        return compiling.compile_in_place(model, self.compile_spec) if self.compile_spec.enabled else model
+        if self.compile_spec.enabled:  # the blocks chosen before fsdp renames their classes
+            self.compiled_units = compiling.compile_in_place(model, self.compile_spec,
+                                                             self.cfg.parallelism.fsdp_units)
+        return model
 
     def warm_up(self) -> None:
         """Every compiled block compiled now, on a batch of the step's shape, under the step's

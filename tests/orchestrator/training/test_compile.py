@@ -137,7 +137,7 @@ def test_recompiles_past_the_limit_fail_naming_the_guard(rank: runtime.Runtime, 
     the limit's failure names the guard that failed instead of torch's bare message."""
     model = Rows()
     torch._dynamo.reset()
-    compiling.compile_in_place(model, compiling.CompileSpec(enabled=True, backend="eager", dynamic=False))
+    compiling.compile_in_place(model, compiling.CompileSpec(enabled=True, backend="eager", dynamic=False), [])
     recompiles = compiling.watch_recompiles(2)
     with pytest.raises(compiling.RecompileLimitError) as failed, compiling.limit_errors(recompiles, 2):
         for rows in range(1, 6):

@@ -148,3 +148,17 @@ def test_fsdp_keeps_micro_batch_gradients_unreduced_until_the_last(tmp_path: Pat
             model(x, mask).sum().backward()
         grads = [p.grad for p in model.parameters()]
         assert all(isinstance(g, DTensor) for g in grads), "the last micro-batch must reduce-scatter"
+
+
+@pytest.mark.parametrize(("build", "names"), [(HoldsAnHfModel, []), (Outer, ["Leaf"])],
+                         ids=["no_split_modules of a submodule", "parallelism.fsdp_units"])
+def test_model_compile_compiles_the_blocks_fsdp_shards(build: type[nn.Module], names: list[str]) -> None:
+    """One choice of blocks for both: a compiled region never holds an fsdp unit's boundary. The
+    compile used its own copy, which read neither the config's classes nor a submodule's
+    _no_split_modules, and compiled the whole model instead."""
+    from orchestrator.training import compiling
+
+    model = build()
+    assert set(map(id, compiling.units(model, names))) == set(map(id, shard_units(model, names)))
+    spec = compiling.CompileSpec(enabled=True, backend="eager")
+    assert compiling.compile_in_place(model, spec, names) == 2  # counted before fsdp renames the classes
