@@ -87,9 +87,13 @@ class _EpochLoader(ShardedLoader):
     """
 
     batches_before = 0
+    # a whole epoch's batches at this world size: Lightning takes the length once per fit, so a
+    # resumed epoch's (batches done at another world size + those left here) must not cap the
+    # later epochs; a length above what is left ends the epoch when the batches run out
+    full_epoch = 0
 
     def __len__(self) -> int:
-        return self.batches_before + super().__len__()
+        return max(self.batches_before + super().__len__(), self.full_epoch)
 
 
 class _DataModuleCore:
@@ -153,6 +157,7 @@ class _DataModuleCore:
                                                 seed=self.seed, policy=self.policy)
             loader = self._loader(dataset, self.train_sampler, self.batch_size, self.group_by_length)
             loader.__class__ = _EpochLoader  # same object, a length Lightning's resume can trust
+            loader.full_epoch = ShardedLoader.__len__(loader)  # a fresh sampler: the whole epoch
             self._train_loader = loader  # type: ignore[assignment]
             advance = _classes()[1]
             mine = [c for c in trainer.callbacks if getattr(c, "module", None) is self]

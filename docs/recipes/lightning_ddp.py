@@ -87,7 +87,7 @@ class RequeueOnStop(pl.Callback):
         time.sleep(self.sleep_s)
         if not trainer.strategy.reduce_boolean_decision(preemption.stop_requested(), all=False):
             return
-        partial = self.path.with_suffix(".partial")
+        partial = self.path.with_name(self.path.name + ".partial")
         trainer.save_checkpoint(partial)  # every rank calls it; rank 0 writes
         if trainer.is_global_zero:
             os.replace(partial, self.path)  # never a half-written last.ckpt
