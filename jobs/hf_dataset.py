@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jobs.image_folder import image_array
 from jobs.text_corpus import Corpus
 from orchestrator.config import ConfigError, PrepareConfig, invalid
 
@@ -162,8 +163,7 @@ def _rows(table: Table) -> Iterator[dict[str, Any]]:
 
 def _array(value: Any, name: str, index: int) -> np.ndarray:
     if hasattr(value, "convert") and hasattr(value, "size"):  # a PIL image -> uint8 [C, H, W]
-        pixels = np.asarray(value)
-        return np.ascontiguousarray(pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1))
+        return image_array(value, f"column {name!r} of row {index}")
     try:
         array = np.asarray(value)
     except ValueError as e:  # ragged lists

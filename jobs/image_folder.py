@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -107,16 +108,22 @@ def load_image(path: Path) -> np.ndarray:
     try:
         with Image.open(path) as image:
             image.load()
-            mode = _mode_for(image.mode, "transparency" in image.info, path)
-            pixels = np.asarray(image.convert(mode) if mode != image.mode else image)
+            return image_array(image, str(path))
     except (OSError, UnidentifiedImageError) as e:
         raise DatasetError(f"{path}: not a readable image ({e}); fix or remove it") from e
+
+
+def image_array(image: Any, where: str) -> np.ndarray:
+    """A loaded PIL image as uint8 ``[C, H, W]``: a palette as its colours, 16-bit or float pixels
+    refused (``where`` names it); the image folder's and a Hugging Face dataset's image columns."""
+    mode = _mode_for(image.mode, "transparency" in image.info, where)
+    pixels = np.asarray(image.convert(mode) if mode != image.mode else image)
     if pixels.ndim == 2:  # [H, W]: one channel
         return np.ascontiguousarray(pixels[None])
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [H, W, C] -> [C, H, W]
 
 
-def _mode_for(mode: str, has_transparency: bool, path: Path) -> str:
+def _mode_for(mode: str, has_transparency: bool, path: Path | str) -> str:
     if mode in KEPT_MODES:
         return mode
     if mode == "P":  # a palette: its colours, with alpha where the palette has transparency

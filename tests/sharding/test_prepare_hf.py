@@ -52,6 +52,26 @@ def test_a_saved_split_becomes_fields_and_labels_with_its_class_names(saved: Pat
     assert test.num_samples == 2
 
 
+def test_an_image_column_becomes_uint8_channels_a_palette_its_colours(tmp_path: Path) -> None:
+    """As the image folder reads images: a palette image (PNG/GIF "P" mode) is its colours, RGB,
+    not its palette indices in one channel."""
+    from PIL import Image
+
+    palette = Image.new("P", (4, 2))
+    palette.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)
+    palette.putpixel((1, 0), 1)
+    rgb = Image.new("RGB", (4, 2), (7, 8, 9))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    datasets.Dataset.from_list([{"image": palette, "label": 0}, {"image": rgb, "label": 1}],
+                               features=features).save_to_disk(str(tmp_path / "images"))
+    prepare(_config(tmp_path / "images", tmp_path / "out", fields=["image"], label_field="label"))
+    ds = open_dataset(tmp_path / "out")
+    first, second = np.asarray(ds[0]["image"]), np.asarray(ds[1]["image"])
+    assert first.dtype == np.uint8 and first.shape == (3, 2, 4)
+    assert first[:, 0, 1].tolist() == [200, 100, 50] and first[:, 0, 0].tolist() == [0, 0, 0]
+    assert second[:, 1, 3].tolist() == [7, 8, 9]
+
+
 def test_a_parquet_text_column_is_tokenized_as_text_is(tmp_path: Path) -> None:
     datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "rows.parquet"))
     prepare(_config(tmp_path / "rows.parquet", tmp_path / "out", text_field="text"))  # format=auto
