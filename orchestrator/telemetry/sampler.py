@@ -188,8 +188,13 @@ class MemorySampler:
             record["ended"] = self._ended
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fold = NodeFold.resume(self.path)  # what earlier attempts sampled into this file
             self._file = open(self.path, "ab")  # noqa: SIM115 -- held open across samples, closed in stop()
+            try:
+                self._fold = NodeFold.resume(self.path)  # what earlier attempts sampled into this file
+            except Exception as e:  # a damaged fold or line of an earlier attempt: the samples go on,
+                self._fold = None  # and readers fold the raw file's tail, saying so
+                print(f"memory sampler on {self.node}: cannot resume the fold of {self.path} "
+                      f"({type(e).__name__}: {e}); sampling on without one", flush=True)
         # flush, no fsync: a killed process keeps what the kernel has; fsync would make samples cost ms
         self._file.write((json.dumps(record) + "\n").encode())
         self._file.flush()

@@ -141,3 +141,15 @@ def test_damaged_telemetry_is_no_summary_with_the_reason(tmp_path: Path) -> None
     memory = job_memory(str(tmp_path))
     assert memory is not None and memory["mode"] == "none"
     assert memory["notes"][0].startswith("no summary: its telemetry could not be read (KeyError")
+
+
+def test_a_damaged_earlier_sample_never_stops_the_sampler_recording(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A requeued sampler folds what its node file holds first: a line it cannot fold (damaged, or
+    written by another version) used to fail every sample after it, so nothing more was recorded."""
+    path = telemetry_dir(tmp_path) / "n1.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"t": 1.0, "node": "n1", "attempt": 0, "ranks": [{"rank": 0}]}) + "\n")
+    cpu_run(tmp_path, num_samples=3)
+    assert len(path.read_text().splitlines()) == 1 + 3 + 1  # its line, 3 samples, stop()'s last
+    assert "cannot resume the fold of" in capsys.readouterr().out
