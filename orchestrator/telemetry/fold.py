@@ -230,19 +230,21 @@ class NodeFold:
         if raw_bytes > self.series_bytes:
             self.series.add(record)
             self.series_bytes = raw_bytes
-        if write:
-            self.write(series=time.monotonic() - self._series_written >= SERIES_EVERY_S or "ended" in record)
+        # Written when due and at the end, not every sample: each write is a file's fsync and rename
+        # (per node, every 5 s, on a shared file system), and a reader folds what the raw file
+        # gained since the last one (a minute of samples, far under TAIL_BYTES).
+        if write and (time.monotonic() - self._series_written >= SERIES_EVERY_S or "ended" in record):
+            self.write()
 
-    def write(self, series: bool = True) -> None:
-        # no directory fsync: rewritten every sample, and a lost rename leaves the previous fold
+    def write(self) -> None:
+        # no directory fsync: a lost rename leaves the previous fold, which readers bring up to date
         digest = self.digest.to_json()
         digest.pop("offsets", None)
         atomic.write_json(fold_file(self.raw), {"version": VERSION, "raw_bytes": self.digest_bytes,
                                                 "digest": digest}, durable=False)
-        if series:
-            atomic.write_json(series_file(self.raw), {"version": VERSION, "raw_bytes": self.series_bytes,
-                                                      "series": self.series.to_json()}, durable=False)
-            self._series_written = time.monotonic()
+        atomic.write_json(series_file(self.raw), {"version": VERSION, "raw_bytes": self.series_bytes,
+                                                  "series": self.series.to_json()}, durable=False)
+        self._series_written = time.monotonic()
 
 
 # -- the readers' side ----------------------------------------------------------------------------
