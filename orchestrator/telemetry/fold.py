@@ -264,8 +264,8 @@ def read_digest(run_dir: Path) -> tuple[Digest, list[str]]:
     raw file itself is not opened when its fold covers it."""
     digest, notes = Digest(), []
     for raw in raw_files(run_dir):
-        size = raw.stat().st_size
-        kept = _load(fold_file(raw))
+        kept = _load(fold_file(raw))  # before the size: the sampler writes its fold after the samples
+        size = raw.stat().st_size  # it covers, so a fold read first never ends past this size
         node, start = Digest(), 0
         if kept is not None and int(kept["raw_bytes"]) <= size:
             node, start = Digest.from_json(kept["digest"]), int(kept["raw_bytes"])
@@ -291,8 +291,8 @@ def read_series(run_dir: Path) -> tuple[list[Record], list[str]]:
     of it), oldest first, and notes as :func:`read_digest`'s."""
     records, notes = [], []
     for raw in raw_files(run_dir):
-        size = raw.stat().st_size
-        kept = _load(series_file(raw))
+        kept = _load(series_file(raw))  # before the size: the sampler writes its fold after the samples
+        size = raw.stat().st_size  # it covers, so a fold read first never ends past this size
         start = 0
         if kept is not None and int(kept["raw_bytes"]) <= size:
             records += Series.from_json(kept["series"]).records()
