@@ -120,7 +120,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     # not inherit orchestrator.entry.hydra_app's HYDRA_FULL_ERROR
     task_started()
     take_snapshots(points)
-    add_containers(points)
+    add_containers(points, sweep_dir)
     origin = provenance.origin(packages=user_packages(points, task_function))
     diff = provenance.write_diff(sweep_dir, origin)  # once per submission, named by every point
     try:

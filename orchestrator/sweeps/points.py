@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -194,20 +193,23 @@ CONTAINER_PATH_KEYS = ("data.path", "data.eval_path", "data.cache_dir", "checkpo
                        "checkpoint.resume_from")
 
 
-def add_containers(points: Sequence[Point]) -> None:
+def add_containers(points: Sequence[Point], sweep_dir: Path) -> None:
     """The container arguments of each SLURM point with ``cluster.container`` (after
-    ``take_snapshots``): the sweep's directory is mounted (every point's run directory is in it), so
-    points that differ only in their overrides still share one array."""
+    ``take_snapshots``): the sweep's directory is mounted (the run directories in it with it), so
+    points that differ only in their overrides still share one array; a point whose run directory
+    lies elsewhere (``hydra.sweep.subdir`` an absolute path) has it mounted too."""
     boxed = [(p, p.cluster) for p in points if p.resources.executor == "slurm" and p.cluster is not None
              and p.cluster.container.runtime != "none"]
     if not boxed:
         return
     from orchestrator.launch.submit import container_parameters  # imports submitit
 
-    sweep_dir = Path(os.path.commonpath([str(p.run_dir) for p in points]))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     for p, cluster in boxed:
         paths = [(key, OmegaConf.select(p.task_cfg, key, default=None)) for key in CONTAINER_PATH_KEYS]
+        if not Path(p.run_dir).absolute().is_relative_to(sweep_dir):
+            Path(p.run_dir).mkdir(parents=True, exist_ok=True)
+            paths.append(("hydra.sweep.subdir", p.run_dir))
         try:
             gpus = int(p.resources.params.get("gpus_per_node") or 0)
             params = container_parameters(cluster, ParallelismConfig(gpus_per_node=gpus), sweep_dir,

@@ -212,22 +212,28 @@ def test_a_sweeps_points_share_one_array_with_the_sweep_dir_and_their_data_mount
     from orchestrator.sweeps.arrays import Resources
     from orchestrator.sweeps.points import Point, add_containers
 
-    monkeypatch.chdir(tmp_path)
-    image, sweep = tmp_path / "torch.sif", tmp_path / "multirun"
+    code, image, sweep = tmp_path / "code", tmp_path / "torch.sif", tmp_path / "multirun"
     data = tmp_path.parent / f"{tmp_path.name}-data"
     image.write_bytes(b"sif")
-    data.mkdir(exist_ok=True)
+    for d in (code, data):
+        d.mkdir(exist_ok=True)
+    monkeypatch.chdir(code)  # the sweep is not inside the submitting directory: its own mount
     cluster = ClusterConfig(mode="slurm", container=ContainerConfig(runtime="apptainer", image=str(image)))
     resources = Resources("slurm", submit.slurm_parameters(cluster, ParallelismConfig()), 3, 10, "cluster")
     task_cfg = OmegaConf.create({"data": {"path": str(data)}})
     points = [Point(num, [f"optim.lr={num}"], OmegaConf.create(), task_cfg, sweep / str(num), resources,
                     True, None, cluster=cluster) for num in range(2)]
-    add_containers(points)
+    elsewhere = tmp_path / "elsewhere" / "2"  # hydra.sweep.subdir an absolute path
+    points.append(Point(2, ["optim.lr=2"], OmegaConf.create(), task_cfg, elsewhere, resources, True,
+                        None, cluster=cluster))
+    add_containers(points, sweep)
     assert points[0].resources.key() == points[1].resources.key()  # one array
     python = points[0].resources.params["python"]
     assert python.startswith("apptainer exec --no-home --bind ")
     assert sorted(python.split(" --bind ")[1].split(" ")[0].split(",")) == sorted(
-        [f"{tmp_path}:{tmp_path}", f"{data}:{data}"])  # the sweep dir is in the submitting one
+        [f"{code}:{code}", f"{sweep}:{sweep}", f"{data}:{data}"])  # the sweep dir, not each run dir
+    binds = points[2].resources.params["python"].split(" --bind ")[1].split(" ")[0].split(",")
+    assert f"{elsewhere}:{elsewhere}" in binds  # a run directory outside the sweep's
 
 
 def test_an_installed_switchyard_in_the_image_must_be_the_submitters_version(
