@@ -103,7 +103,7 @@ CREATE TABLE results (
 _DIGESTS = """
 CREATE TABLE digests (
     attempt_id  INTEGER PRIMARY KEY REFERENCES attempts(id),
-    state       TEXT NOT NULL       -- JSON: a running attempt's telemetry folded so far (stats.Digest)
+    state       TEXT NOT NULL       -- JSON: written by older versions only (telemetry folded so far)
 )"""
 _EXCLUSIONS = """
 CREATE TABLE {if_missing} exclusions (
@@ -564,21 +564,8 @@ class Registry:
                 "state = ? AND updated_at = ?)",
                 [(a.id, r.step, r.loss, r.peak_bytes, json.dumps(r.flags), r.memory_json, a.id, a.state,
                   a.updated_at) for a, r in results])
+            # rows an older Switchyard kept (the sampler now folds its own telemetry: telemetry/fold.py)
             db.executemany("DELETE FROM digests WHERE attempt_id = ?", [(a.id,) for a, _ in results])
-
-    def digests(self, sweep_id: int, num: int | None = None) -> dict[int, dict[str, Any]]:
-        """The kept telemetry digests of this sweep's attempts (or one job's): ``{attempt id: state}``."""
-        query, args = ("SELECT d.attempt_id, d.state FROM digests d JOIN attempts a ON a.id = d.attempt_id "
-                       "WHERE a.sweep_id = ?"), [sweep_id]
-        if num is not None:
-            query, args = query + " AND a.num = ?", [*args, num]
-        return {attempt_id: json.loads(state) for attempt_id, state in self._db.execute(query, args)}
-
-    def keep_digests(self, digests: Iterable[tuple[int, dict[str, Any]]]) -> None:
-        """Keep running attempts' telemetry digests (``(attempt id, state)``) for the next call."""
-        with self._write() as db:
-            db.executemany("INSERT OR REPLACE INTO digests (attempt_id, state) VALUES (?, ?)",
-                           [(attempt_id, json.dumps(state)) for attempt_id, state in digests])
 
     def find_attempt(self, slurm_id: str) -> Attempt | None:
         row = self._db.execute("SELECT * FROM attempts WHERE slurm_id = ? ORDER BY id DESC LIMIT 1",
