@@ -6,7 +6,7 @@
     state = load(preemption.checkpoint_dir())  # RUN/checkpoints: the same directory after a requeue
     for step in range(state.step, total):
         train_one_step()
-        if preemption.stop_requested():       # on several ranks: agree first (all_reduce the flag)
+        if preemption.stop_agreed():          # every rank, the same answer at the same step
             save(preemption.checkpoint_dir())  # rank 0, then a barrier
             preemption.requeue()              # exits with REQUEUE_EXIT_CODE: Switchyard requeues
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # The trainer's own flag (orchestrator/stop_signals.py imports the standard library alone).
 from orchestrator.stop_signals import StopFlag, StopReason
@@ -31,6 +31,7 @@ RUN_DIR_ENV = "SWITCHYARD_RUN_DIR"
 RESTART_ENV = "SWITCHYARD_RESTART_COUNT"
 
 _flag = StopFlag()
+_groups: dict[Any, Any] = {}  # default process group -> what stop_agreed() reduces over
 
 
 def install() -> None:
@@ -42,6 +43,32 @@ def install() -> None:
 def stop_requested() -> bool:
     """A stop was asked for: checkpoint now, then :func:`requeue` (or just exit on preemption)."""
     return _flag.reason != StopReason.NONE
+
+
+def stop_agreed() -> str | None:
+    """:func:`reason`, agreed by every rank: on all of them, at the same call, the most severe
+    reason any rank was signalled with, else None. Call it at the same point on every rank (after
+    each step, or every few steps); one process, or no process group, is :func:`reason` itself.
+
+    It reduces a CPU tensor over gloo (the default group when it is gloo, else a gloo group made
+    at the first call), so on GPUs it never waits for the GPU's queue: Lightning's
+    ``reduce_boolean_decision`` all-reduces a CUDA tensor and reads it with ``.item()``, a host-GPU
+    sync at every call, and a CPU tensor on an NCCL-only group fails. The cost is one small gloo
+    round trip between the ranks.
+    """
+    import torch  # here, not at the top: a script that never calls it loads no torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return reason()
+    world = dist.group.WORLD
+    if world not in _groups:  # once per process group (a script may make a new one)
+        _groups.clear()
+        _groups[world] = world if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    agreed = torch.tensor([int(_flag.reason)], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=_groups[world])
+    found = StopReason(int(agreed.item()))
+    return None if found == StopReason.NONE else found.name.lower()
 
 
 def reason() -> str | None:

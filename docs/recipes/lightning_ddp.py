@@ -70,9 +70,10 @@ class Classifier(pl.LightningModule):
 
 
 class RequeueOnStop(pl.Callback):
-    """SLURM's SIGUSR2 (time limit) or SIGTERM reaches switchyard.preemption's flag; at the next
-    batch end every rank agrees, the checkpoint (the data module's position included) is written,
-    and the job asks to be requeued (exit 75)."""
+    """SLURM's SIGUSR2 (time limit) or SIGTERM (preemption) reaches switchyard.preemption's flag;
+    at the next batch end every rank agrees (``stop_agreed``: a CPU all-reduce over gloo, never a
+    GPU sync), the checkpoint (the data module's position included) is written, and on the time
+    limit the job asks to be requeued (exit 75). On preemption SLURM decides whether it comes back."""
 
     def __init__(self, path: Path, stop_after: int | None, sleep_s: float) -> None:
         self.path, self.stop_after, self.sleep_s = path, stop_after, sleep_s
@@ -85,14 +86,17 @@ class RequeueOnStop(pl.Callback):
         if self.batches == self.stop_after and not self.path.exists():  # the tests' own signal
             os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(self.sleep_s)
-        if not trainer.strategy.reduce_boolean_decision(preemption.stop_requested(), all=False):
+        reason = preemption.stop_agreed()
+        if reason is None:
             return
         partial = self.path.with_name(self.path.name + ".partial")
         trainer.save_checkpoint(partial)  # every rank calls it; rank 0 writes
         if trainer.is_global_zero:
             os.replace(partial, self.path)  # never a half-written last.ckpt
         trainer.strategy.barrier()
-        preemption.requeue()
+        if reason == "time_limit":
+            preemption.requeue()
+        raise SystemExit(f"stopped ({reason}) after batch {self.batches}; checkpoint in {self.path}")
 
 
 def main() -> None:

@@ -58,3 +58,39 @@ def test_the_run_directory_comes_from_switchyard(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv(preemption.RESTART_ENV, "2")
     assert preemption.checkpoint_dir() == tmp_path / "checkpoints" and (tmp_path / "checkpoints").is_dir()
     assert preemption.restart_count() == 2
+
+
+AGREE = """
+import os, signal, sys, datetime
+import torch.distributed as dist
+from switchyard import preemption
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+preemption.install()
+seen = []
+for call in range(4):
+    if call == 2 and rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR2)  # one rank only, as a node's signal can come first
+    seen.append(preemption.stop_agreed())
+print(seen)
+dist.destroy_process_group()
+"""
+
+
+def test_stop_agreed_gives_every_rank_the_same_answer_at_the_same_call(tmp_path: Path) -> None:
+    """Rank 1 alone is signalled before its third call: both ranks' third call says so. Without
+    the agreement rank 0 would train on alone and hang in its next collective."""
+    ranks = [subprocess.Popen([sys.executable, "-c", AGREE, str(tmp_path / "store"), str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    expected = str([None, None, "time_limit", "time_limit"])
+    assert [out.strip() for out, _ in outs] == [expected, expected]
+
+
+def test_stop_agreed_on_one_process_is_the_flag_itself(handlers: None) -> None:
+    preemption.install()
+    assert preemption.stop_agreed() is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preemption.stop_agreed() == "preempted"
