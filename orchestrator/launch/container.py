@@ -33,7 +33,7 @@ from orchestrator.config import ConfigError, ContainerConfig, invalid
 from orchestrator.launch import snapshot
 
 # Variables the batch script sets for the ranks (``snapshot.setup_lines``): pyxis gives the image's
-# own value precedence unless named in --container-env.
+# own value precedence unless named in --container-env; apptainer unless set as APPTAINERENV_*.
 PASSED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "SWITCHYARD_SNAPSHOT", "SWITCHYARD_IMAGE",
               "SWITCHYARD_SUBMITTED_VERSION")
 # Set by the job's script for its ranks: the image they run in, and the submitter's Switchyard.
@@ -158,18 +158,27 @@ def python(container: ContainerConfig, mounts: Sequence[Mount], gpus_per_node: i
         argv.append("--no-home")
     if container.writable:
         argv.append("--writable-tmpfs")
-    for name in container.env:  # apptainer passes the environment on; these override the image's
-        argv += ["--env", f"{name}=${{{name}}}"]
     argv += ["--bind", ",".join(m.spec() for m in mounts), "--pwd", container.workdir or os.getcwd(),
              image_ref(container), IMAGE_PYTHON]
-    return " ".join(a if a.startswith("--env") or "${" in a else shlex.quote(a) for a in argv)
+    return " ".join(shlex.quote(a) for a in argv)
 
 
-def setup_line(container: ContainerConfig) -> str:
-    """The job script's line that tells the ranks their image and the submitter's Switchyard
-    (``rank_check``)."""
+def setup_lines(container: ContainerConfig) -> list[str]:
+    """The job script's lines for the ranks: their image and the submitter's Switchyard
+    (``rank_check``); under apptainer also the variables that must win over the image's own.
+
+    apptainer passes the host's environment in, but an image's ``%environment`` (``PYTHONPATH``,
+    often) overrides it; ``APPTAINERENV_NAME`` is apptainer's way to set ``NAME`` inside over the
+    image. Exported as variables, not ``--env NAME=VALUE`` on the command line: ``--env`` splits
+    its argument at commas, and a value with a space would split the command. A variable unset
+    when the job starts is not passed (an empty ``PYTHONPATH`` would still hide the image's).
+    """
     version = own_version() or "unknown"
-    return f"export {IMAGE_ENV}={shlex.quote(image_ref(container))} {VERSION_ENV}={version}"
+    lines = [f"export {IMAGE_ENV}={shlex.quote(image_ref(container))} {VERSION_ENV}={version}"]
+    if container.runtime == "apptainer":
+        for name in dict.fromkeys([*PASSED_ENV, *container.env]):
+            lines.append(f'if [ -n "${{{name}+set}}" ]; then export APPTAINERENV_{name}="${{{name}}}"; fi')
+    return lines
 
 
 def own_version() -> str | None:

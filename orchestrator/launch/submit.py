@@ -120,7 +120,7 @@ def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
     mounts = container.all_mounts(box, container.needed([
         ("the run directory", run_dir), ("the code snapshot", code.path if code else None),
         ("the submitting directory (on PYTHONPATH)", os.getcwd()), *paths]))
-    return {"setup": [*setup, container.setup_line(box)],
+    return {"setup": [*setup, *container.setup_lines(box)],
             "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args,
                           *container.srun_args(box, mounts, run_dir)],
             "python": container.python(box, mounts, parallelism.gpus_per_node)}

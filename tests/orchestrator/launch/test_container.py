@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,7 +82,7 @@ def test_a_local_image_reaches_the_nodes_by_its_absolute_path(
         box = ContainerConfig(runtime="pyxis", image=image)
         args = container.srun_args(box, [], tmp_path / "run")
         assert args[0] == f"--container-image={tmp_path / 'torch.sqsh'}", image
-        assert container.setup_line(box).startswith(f"export SWITCHYARD_IMAGE={tmp_path / 'torch.sqsh'} ")
+        assert container.setup_lines(box)[0].startswith(f"export SWITCHYARD_IMAGE={tmp_path / 'torch.sqsh'} ")
 
 
 def test_a_pyxis_dry_run_without_srun_here_warns_and_a_submission_is_refused(
@@ -272,3 +274,20 @@ def test_jobs_train_refuses_a_missing_image_in_one_line_and_queues_nothing(tmp_p
         f"error: cluster.container.image='{tmp_path}/gone.sif' is invalid: no such file on this machine "
         "(try cluster.container.image=<an existing image file, e.g. /images/torch.sif>)")
     assert "#SBATCH" not in proc.stdout
+
+
+def test_apptainer_passes_variables_as_apptainerenv_whole_commas_and_spaces_included(tmp_path: Path) -> None:
+    """``--env NAME=$NAME`` on the command line split a value at its commas (apptainer's list
+    syntax) and at its spaces (the shell), and lost to the image's own PYTHONPATH: the job script
+    now exports APPTAINERENV_NAME, for the variables that are set."""
+    image = tmp_path / "torch.sif"
+    image.write_text("image")
+    box = ContainerConfig(runtime="apptainer", image=str(image), env=["HF_TOKEN", "WANDB_TAGS"])
+    assert "--env" not in (container.python(box, [], 0) or "")
+    script = "\n".join([*container.setup_lines(box), "env | grep ^APPTAINERENV_ | sort"])
+    env = {"PATH": os.environ["PATH"], "HF_TOKEN": "a b,c=d", "PYTHONPATH": "/snap:/x,y"}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    passed = dict(line.removeprefix("APPTAINERENV_").split("=", 1) for line in out.splitlines())
+    assert passed["HF_TOKEN"] == "a b,c=d" and passed["PYTHONPATH"] == "/snap:/x,y"
+    assert passed[container.IMAGE_ENV] == str(image)  # the script's own, for rank_check
+    assert "WANDB_TAGS" not in passed and "PYTHONSAFEPATH" not in passed  # unset: not passed
