@@ -112,11 +112,14 @@ def check_before_submit(cfg: TrainConfig, run_dir: Path | None = None
 def container_paths(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path
                     ) -> list[tuple[str, str | Path | None]]:
     """What the ranks read and write outside the run directory, mounted into ``cluster.container``'s
-    image (``orchestrator.launch.container``); the checkpoint directory is made first, to be mounted."""
+    image (``orchestrator.launch.container``); the directories the job writes into (the checkpoints,
+    the demo data's cache) are made first, to be mounted at their own paths."""
     if cfg.cluster.container.runtime == "none":
         return []
     checkpoints = resume.checkpoint_dir(cfg, run_dir)
     checkpoints.mkdir(parents=True, exist_ok=True)
+    if cfg.data.cache_dir:
+        Path(cfg.data.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
     return [("data.path", paths.train), ("data.eval_path", paths.eval),
             ("data.cache_dir", cfg.data.cache_dir), ("checkpoint.dir", checkpoints),
             ("checkpoint.resume_from", cfg.checkpoint.resume_from)]

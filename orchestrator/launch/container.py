@@ -55,17 +55,19 @@ class Mount:
 
 def needed(paths: Iterable[tuple[str, str | Path | None]]) -> list[Mount]:
     """``(config key, path)`` pairs -> the mounts the job needs, each at its own path inside. A
-    path not there yet is mounted through its nearest existing parent, unless that is ``/`` (the
-    image's root is not replaced: the path stays missing, as the job's own checks report); a path
-    inside another one's mount is left to that mount."""
+    path not there yet is mounted through its nearest existing parent, unless that is ``/`` or a
+    directory right under it (``/opt``, ``/usr``: the host's would hide the image's own, its
+    Python among them): the path stays missing, as the job's own checks report. A path inside
+    another one's mount is left to that mount."""
     found: list[Mount] = []
     for why, path in paths:
         if path is None or str(path) == "":
             continue
         where = Path(os.path.abspath(Path(path).expanduser()))
+        missing = not where.exists()
         while not where.exists() and where != where.parent:
             where = where.parent
-        if where == where.parent:
+        if where == where.parent or (missing and where.parent == where.parent.parent):
             continue
         found.append(Mount(where, str(where), why=why))
     kept: list[Mount] = []

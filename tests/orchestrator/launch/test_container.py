@@ -291,3 +291,15 @@ def test_apptainer_passes_variables_as_apptainerenv_whole_commas_and_spaces_incl
     assert passed["HF_TOKEN"] == "a b,c=d" and passed["PYTHONPATH"] == "/snap:/x,y"
     assert passed[container.IMAGE_ENV] == str(image)  # the script's own, for rank_check
     assert "WANDB_TAGS" not in passed and "PYTHONSAFEPATH" not in passed  # unset: not passed
+
+
+def test_a_missing_path_is_never_mounted_through_a_top_level_directory(tmp_path: Path) -> None:
+    """Climbing to the nearest existing parent of /opt/ckpt/run bound the host's /opt over the
+    image's (where images keep their Python): such a path stays missing, for the job to report."""
+    assert container.needed([("checkpoint.dir", "/opt/switchyard-missing/run")]) == []
+    assert container.needed([("checkpoint.dir", "/switchyard-missing/run")]) == []
+    deep = tmp_path / "a" / "b"
+    assert container.needed([("checkpoint.dir", deep)]) == [container.Mount(tmp_path, str(tmp_path),
+                                                                            why="checkpoint.dir")]
+    usr = container.Mount(Path("/usr"), "/usr", why="data.path")
+    assert container.needed([("data.path", "/usr")]) == [usr]  # named itself: mounted
