@@ -210,3 +210,19 @@ def test_an_import_loop_is_caught(tmp_path: Path) -> None:
     (sweeps / "status.py").write_text("def resubmit():\n    from orchestrator.sweeps import launcher\n")
     (sweeps / "registry.py").write_text("x = 1\n")
     assert cycles(module_graph(tmp_path)) == [["orchestrator.sweeps.launcher", "orchestrator.sweeps.status"]]
+
+
+HEAVY = ("torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint",
+         "torch.distributed.fsdp", "torch.distributed._tools")
+
+
+def test_the_submitting_process_imports_no_compiler_fsdp_or_dcp() -> None:
+    """`python -m jobs.train` only checks and submits: torch's compiler stack, DTensor, FSDP2 and DCP
+    (pulled in by the memory estimate's trackers, the fsdp strategy and sharded checkpoints) cost it
+    about a second of CPU at every start when imported at the top. They are imported where used."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, jobs.train; print([m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from orchestrator.config import CheckpointConfig
 from orchestrator.training import checkpoint, runtime, sharded_checkpoint
@@ -269,6 +268,9 @@ class ShardCopy:
         self.layout: list[tuple[str, Any]] = []
 
     def copy(self, shards: dict[str, Any]) -> dict[str, Any]:
+        # here, not at the top: it imports DTensor and torch._dynamo, only an fsdp run's to pay
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
         layout = _layout(shards, "")
         if self.buffers is None or layout != self.layout:  # e.g. the optimizer's state appeared
             self.buffers = _create_cpu_state_dict(shards, pin_memory=self.on_gpu)

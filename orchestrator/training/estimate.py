@@ -33,18 +33,19 @@ import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore  # with torch's "fake" backend
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# torch's fake tensors, memory trackers, fake process group and FSDP are imported where the
+# estimate runs, not here: they pull in torch._dynamo, torch._inductor and DTensor (about a second
+# of CPU), which a `jobs.train` with memory.estimate=off, and every rank, would pay for nothing.
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, TrainConfig
@@ -217,6 +218,8 @@ def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
     batch = largest_batch(example, ds, cfg.data.batch_size)
     kwargs = task.model_kwargs(ds)
     fsdp = cfg.parallelism.strategy == "fsdp"
+    from torch._subclasses import FakeTensorMode
+
     try:
         with fake_world(cfg.parallelism.world_size if fsdp else 0) as mesh, FakeTensorMode() as mode:
             fake = {k: mode.from_tensor(v) if k in task.fields() else v for k, v in batch.items()}
@@ -247,6 +250,9 @@ def fake_world(world_size: int) -> Iterator[DeviceMesh | None]:
         return
     if dist.is_initialized():
         raise EstimateUnavailable("a process group already runs here, in this process")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # with torch's "fake" backend
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads its ranks
@@ -256,6 +262,8 @@ def fake_world(world_size: int) -> Iterator[DeviceMesh | None]:
 
 def shard(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh) -> None:
     """As ``strategy.Fsdp.wrap``: each unit, then the root, with the run's mixed precision."""
+    from torch.distributed.fsdp import fully_shard
+
     policy = strategy.mixed_precision(cfg.memory, cfg.parallelism)
     for unit in strategy.shard_units(model, cfg.parallelism.fsdp_units):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -265,6 +273,9 @@ def shard(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh) -> None:
 def tracked_steps(cfg: TrainConfig, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer,
                   batch: Batch, fsdp: bool) -> dict[str, int]:
     """Two optimizer steps under the tracker -> its peak snapshot, bytes by category name."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     tracker: MemTracker
     if fsdp:
         tracker = FSDPMemTracker(model, optimizer)

@@ -28,19 +28,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from orchestrator.atomic import fsync_dir, write_json
 from orchestrator.training import checkpoint
 from orchestrator.training.checkpoint import CheckpointError, file_checksum
+
+# DCP (torch.distributed.checkpoint) is imported where a sharded checkpoint is written or read, not
+# above: it pulls in DTensor and torch._dynamo, a second of CPU that `jobs.train`'s submitting
+# process and a ddp run (which only asks ``is_sharded``) would pay for nothing.
 
 SUFFIX = ".dcp"
 CHECKSUMS = "checksums.json"
@@ -61,6 +57,8 @@ def _partial(final: Path) -> Path:
 
 def tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's shards, keyed by parameter name (DCP matches them by name and offset)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
@@ -96,6 +94,9 @@ def save(directory: Path, step: int, shards: dict[str, Any], train_state: dict[s
     refusal = _gather(refusal, group)[0]  # rank 0's verdict, and the barrier before every rank writes
     if refusal is not None:
         raise CheckpointError(refusal)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.save(shards, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), process_group=group)
         if rank == 0:
@@ -179,6 +180,9 @@ def train_state(path: Path) -> dict[str, Any]:
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank reads the pieces of its own shards, whatever world size wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     state = tensors(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=path)

@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import xxhash
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+# FSDP2, DTensor and DCP's state-dict helpers are imported by the fsdp strategy's methods, not
+# here: they pull in torch._dynamo (about a second of CPU), which a ddp rank's DDP constructor
+# imports anyway but `jobs.train`'s submitting process, which never trains, would pay for nothing.
 
 from orchestrator.config import ConfigError, MemoryConfig, ParallelismConfig
 from orchestrator.training import blocks, runtime
@@ -83,6 +86,8 @@ def _units(model: nn.Module, class_names: list[str]) -> tuple[list[nn.Module], s
 def mixed_precision(memory: MemoryConfig, parallelism: ParallelismConfig) -> MixedPrecisionPolicy:
     """``memory.amp=bf16``: bf16 parameters in forward and backward (the sharded master copy stays
     fp32), gradients reduced in ``parallelism.fsdp_reduce_dtype`` (fp32 unless set otherwise)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     reduce = torch.bfloat16 if parallelism.fsdp_reduce_dtype == "bf16" else torch.float32
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if memory.amp == "bf16" else None,
                                 reduce_dtype=reduce)
@@ -157,6 +162,8 @@ class Fsdp(Ddp):
         torch.set_rng_state(cast(torch.Tensor, box[0]))
         if _non_persistent_buffers(model):
             return self.wrap(builder())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         self.wrap(model)
         model.to_empty(device=self.rt.device)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
@@ -164,6 +171,9 @@ class Fsdp(Ddp):
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         if isinstance(model, nn.DataParallel):
             model = model.module
         mesh = init_device_mesh(self.rt.device.type, (self.rt.env.world_size,))
@@ -181,6 +191,8 @@ class Fsdp(Ddp):
         pass  # no buckets: each unit reduce-scatters its own gradients in a fixed order
 
     def grad_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
         assert isinstance(model, FSDPModule)
         model.set_requires_gradient_sync(sync)  # every unit: accumulate unsharded, reduce at the last
         return contextlib.nullcontext()
@@ -192,11 +204,15 @@ class Fsdp(Ddp):
 
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The norm over every rank's shard (a collective: every rank calls it, on the device)."""
+        from torch.distributed.tensor import DTensor
+
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def param_checksum(self, model: nn.Module) -> str:
         """The same bytes as ddp's checksum of the same weights: each parameter is gathered whole
         (one at a time, a collective every rank runs in the same order)."""
+        from torch.distributed.tensor import DTensor
+
         return checksum((name, p.full_tensor() if isinstance(p, DTensor) else p)
                         for name, p in sorted(model.named_parameters()))
 
