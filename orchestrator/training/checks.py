@@ -27,6 +27,11 @@ from sharding.loader import RankDataset, check_shared_memory, ring_bytes
 # Models above this size are not built on the CPU to run the example batch when the meta device
 # cannot run them (a data-dependent branch): their check is left to the first step.
 CPU_EXAMPLE_MAX_PARAMETERS = 50_000_000
+# Parameters x samples up to which the example batch runs on the host with real weights instead of
+# on meta: torch's first meta-device call imports its decompositions, sympy and torch._dynamo
+# (about a second of CPU), while a model this small builds and runs a batch in milliseconds. The
+# host run checks more, too: values (an out-of-range class or token id), not only shapes.
+HOST_EXAMPLE_MAX = 20_000_000
 # Samples in the CPU run's batch (the meta run takes data.batch_size): at least two, for BatchNorm
 # in train mode, and few, as its activations are real memory on this machine.
 CPU_EXAMPLE_SAMPLES = 2
@@ -106,7 +111,8 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
     """The constructor takes its config, fsdp finds units to shard, and one real batch of the
     training data (``data.batch_size`` samples, as few as it holds) goes through the model and the
     task's loss in train mode. On the meta device: no weights are allocated, no arithmetic is
-    done, and shapes are checked as on the ranks. A factory that loads weights (``from_pretrained``
+    done, and shapes are checked as on the ranks; a small model (``HOST_EXAMPLE_MAX``) runs it on
+    the host instead, with real weights. A factory that loads weights (``from_pretrained``
     refuses the meta device) is built on the host and run on two samples. Whatever the model
     raises is one refusal naming it: a new exception type (an AttributeError) was a traceback."""
     kwargs = task.model_kwargs(train)
@@ -131,6 +137,13 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
         except Exception as e:
             raise refused(cfg, example, e) from e
     example = example_batch(task, train, cfg.data.batch_size)
+    if sum(p.numel() for p in model.parameters()) * len(next(iter(example.values()))) <= HOST_EXAMPLE_MAX:
+        try:  # a small model: the real batch on the host costs less than meta's first call
+            return run_example(task, build_model(cfg.model, kwargs, cfg.memory), example)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise refused(cfg, example, e) from e
     try:
         run_example(task, model, {k: v.to("meta") if k in task.fields() else v for k, v in example.items()})
     except ConfigError:

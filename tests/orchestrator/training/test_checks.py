@@ -30,11 +30,25 @@ def check(model: str, dataset: str) -> None:
     checks.check_model(cfg, task, ds)
 
 
-def test_a_model_that_reads_the_host_is_checked_on_the_cpu(tmp_path: Path) -> None:
+def test_a_model_that_reads_the_host_is_checked_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model above ``HOST_EXAMPLE_MAX`` runs on meta first; one that cannot falls back to two
+    samples on the CPU (here the limit is 0, so the test's small model takes that path)."""
+    monkeypatch.setattr(checks, "HOST_EXAMPLE_MAX", 0)
     dataset = write_rows_dataset(tmp_path / "rows", 8, features=5, classes=3, max_rows=4)
     check("model_helpers.ReadsTheHost", dataset)  # meta cannot run it; the CPU can, and it fits
     with pytest.raises(ConfigError, match=r"model._target_='model_helpers.ReadsTheHostThenBreaks' fails "
                                           r"on one real batch of data.path \(x: float32\[2, \d, 5\]"):
+        check("model_helpers.ReadsTheHostThenBreaks", dataset)
+
+
+def test_a_small_model_runs_the_whole_example_batch_on_the_host(tmp_path: Path) -> None:
+    """Below ``HOST_EXAMPLE_MAX`` the batch of ``data.batch_size`` runs with real weights on the
+    host, never on meta, whose first call costs a second of imports: the host-reading model passes
+    at once, and a shape error names the whole batch."""
+    dataset = write_rows_dataset(tmp_path / "rows", 8, features=5, classes=3, max_rows=4)
+    check("model_helpers.ReadsTheHost", dataset)
+    with pytest.raises(ConfigError, match=r"model._target_='model_helpers.ReadsTheHostThenBreaks' fails "
+                                          r"on one real batch of data.path \(x: float32\[8, \d, 5\]"):
         check("model_helpers.ReadsTheHostThenBreaks", dataset)
 
 
