@@ -38,10 +38,11 @@ typecheck: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Two pytest-xdist workers: the suite mostly waits for the processes it starts. Every slurm test is in
-# one group, run first on one worker; the other takes the rest a module at a time (tests/conftest.py,
-# docs/development.md). --durations: the 25 slowest, where the suite's time goes.
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
+# Three pytest-xdist workers on two cores: a SLURM test spends much of its time waiting for the
+# scheduler, and the others fill that. Each module is a group (its fixtures run once); the SLURM
+# modules go first, on every worker at once (tests/conftest.py, docs/development.md).
+# --durations: the 25 slowest, where the suite's time goes.
+PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
 
 pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

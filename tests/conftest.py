@@ -3,9 +3,13 @@ so a CI run that silently executed no SLURM test cannot pass."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -64,19 +68,48 @@ def isolated_hydra_version_base() -> Iterator[None]:
     VersionBase.set_instance(saved)
 
 
+# One lock for every pytest process on this machine (xdist workers, other checkouts' runs): the
+# local cluster is one per machine.
+CLUSTER_LOCK = Path(tempfile.gettempdir()) / "switchyard-tests-cluster.lock"
+
+
+@contextlib.contextmanager
+def cluster_lock(exclusive: bool) -> Iterator[None]:
+    """Held shared by every SLURM test while it runs, and exclusively by a test that stops the
+    cluster (``cycles_cluster``). A gate taken before the main lock gives the exclusive holder
+    precedence: once it waits, no new test starts beside it, so it waits only for those running."""
+    CLUSTER_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{CLUSTER_LOCK}.gate", "a") as gate, open(CLUSTER_LOCK, "a") as main:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(main, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def cluster_held(request: pytest.FixtureRequest) -> Iterator[None]:
+    with cluster_lock(exclusive=request.node.get_closest_marker("cycles_cluster") is not None):
+        yield
+
+
 def queues_jobs(item: pytest.Item) -> bool:
     return item.get_closest_marker("slurm") is not None and item.get_closest_marker("queues_nothing") is None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The SLURM tests that queue jobs first, all in one pytest-xdist group: under ``--dist
-    loadgroup`` one worker runs them one after another (the two nodes hold one test's jobs at a
-    time, as without xdist) from the start, while the other workers take the rest a module at a
-    time, so a module-scoped fixture runs once. A SLURM test marked ``queues_nothing`` only asks the
-    cluster (or is refused before sbatch): it goes with the rest, off the slurm group's worker."""
+    """Each module is a pytest-xdist group (``--dist loadgroup``), so its module-scoped fixtures
+    run once, and the modules of SLURM tests that queue jobs come first: they are the longest, and
+    most of their time is waiting for SLURM, so they run on every worker at once from the start.
+    The partition oversubscribes (``OverSubscribe=FORCE:4``), so neighbours' jobs start beside
+    each other; every SLURM test looks only at its own jobs. Each holds the cluster lock shared
+    while it runs; the one test that stops and restarts the cluster holds it alone."""
     for item in items:
         if item.get_closest_marker("slurm") is not None:
-            item.fixturenames.insert(0, "slurm_cluster")  # type: ignore[attr-defined]
-        item.add_marker(pytest.mark.xdist_group("slurm" if queues_jobs(item) else item.nodeid.split("::")[0]))
+            item.fixturenames[:0] = ["slurm_cluster", "cluster_held"]  # type: ignore[attr-defined]
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: not queues_jobs(item))  # stable: in order otherwise
-

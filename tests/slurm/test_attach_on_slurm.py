@@ -162,7 +162,7 @@ def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path) 
 
 def test_a_dependency_holds_the_job_until_its_predecessor_ends(tmp_path: Path) -> None:
     """prepare -> train pipelines: cluster.dependency=afterok:ID reaches sbatch."""
-    first = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/first-%j.out", "--wrap=sleep 20"],
+    first = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/first-%j.out", "--wrap=sleep 300"],
                            capture_output=True, text=True, check=True).stdout.strip()
     second = None
     try:

@@ -43,6 +43,7 @@ def test_failing_rank_is_reported_with_its_error(tmp_path: Path) -> None:
     assert slurm_query.wait_for_terminal_states([job.job_id])[job.job_id] == "FAILED"
 
 
+@pytest.mark.cycles_cluster
 def test_cluster_up_is_idempotent_and_down_up_cycles() -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "orchestrator.cli", "cluster", *args],
