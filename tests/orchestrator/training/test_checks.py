@@ -30,7 +30,8 @@ def check(model: str, dataset: str) -> None:
     checks.check_model(cfg, task, ds)
 
 
-def test_a_model_that_reads_the_host_is_checked_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_that_reads_the_host_is_checked_on_the_cpu(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A model above ``HOST_EXAMPLE_MAX`` runs on meta first; one that cannot falls back to two
     samples on the CPU (here the limit is 0, so the test's small model takes that path)."""
     monkeypatch.setattr(checks, "HOST_EXAMPLE_MAX", 0)
