@@ -140,6 +140,7 @@ class _DataModuleCore:
         self._batches_done = 0  # training batches of epoch _batches_epoch started so far
         self._batches_epoch = 0
         self._pending: dict[str, Any] | None = None  # a loaded state, applied once the loader exists
+        self._fitted_by: Any = None  # the Trainer the training loader and its callback are for
 
     # -- Lightning hooks -------------------------------------------------------------------
 
@@ -151,7 +152,11 @@ class _DataModuleCore:
         if getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
             raise LightningSetupError(REFUSAL)
         world, rank = int(trainer.world_size), int(trainer.global_rank)
-        if self.train_path is not None and self._train_loader is None and stage == "fit":
+        # A Trainer of its own for each fit: a second Trainer (a new fit of the same module) gets a
+        # fresh sampler at its world size and the callback that advances it; a checkpoint it
+        # resumes from is applied below, as for the first.
+        if self.train_path is not None and stage == "fit" and self._fitted_by is not trainer:
+            self._fitted_by, self._batches_done, self._batches_epoch = trainer, 0, 0
             dataset = open_dataset(self.train_path)
             self.train_sampler = ShardedSampler(dataset.shard_counts, world_size=world, rank=rank,
                                                 seed=self.seed, policy=self.policy)

@@ -169,3 +169,19 @@ def test_a_length_grouped_epoch_resumes_at_the_next_batch_in_process(data: Path)
     resumed = _Recorder()
     _fit(data, resumed, ckpt=data / "mid.ckpt")
     assert len(whole.batches) == 24 and resumed.batches == whole.batches[17:]
+
+
+def test_a_data_module_reused_by_a_second_trainer_still_counts_its_batches(data: Path) -> None:
+    """The callback that advances the sampler was attached to the first Trainer only: a second
+    Trainer's batches went uncounted, so its checkpoints held the first one's position and a resume
+    from them trained those batches again."""
+    from sharding.lightning import ShardedDataModule
+
+    dm = ShardedDataModule(train=data / "train", batch_size=4)
+    for steps in (3, 5):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, use_distributed_sampler=False,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(_Tiny(), datamodule=dm)
+        state = dm.state_dict()  # each new fit starts the data from the epoch's start, as the model's
+        assert state["batches_done"] == steps and state["sampler"]["segments"] == [[1, 4 * steps]]
