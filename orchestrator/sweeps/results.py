@@ -18,7 +18,7 @@ from typing import Any
 
 from orchestrator.registry.db import Attempt, Job, Registry, Result
 from orchestrator.registry.states import SUBMITTED, SUBMITTING, TERMINAL_STATES
-from orchestrator.telemetry.files import read_end_summary, telemetry_dir
+from orchestrator.telemetry.files import read_end_summary
 from orchestrator.telemetry.summary import summarize
 
 LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})  # runtime still counts
@@ -174,12 +174,14 @@ def job_memory(run_dir: str) -> dict[str, Any] | None:
         return memory if isinstance(memory, dict) else None
     except (OSError, ValueError, AttributeError):
         pass
-    if (memory := read_end_summary(run_dir)) is not None:
+    try:  # one listing says which of the files below exist: none is looked for in vain
+        listing = set(os.listdir(os.path.join(run_dir, "telemetry")))
+    except OSError:
+        return None  # no telemetry directory: nothing was sampled
+    if "end-summary.json" in listing and (memory := read_end_summary(run_dir)) is not None:
         return memory
-    if not os.path.isdir(telemetry_dir(Path(run_dir))):
-        return None
     try:
-        return summarize(Path(run_dir))
+        return summarize(Path(run_dir), listing)
     except (OSError, ValueError, KeyError, TypeError) as e:  # damaged files: said, not waited on
         why = f"no summary: its telemetry could not be read ({type(e).__name__}: {e})"
         return {"mode": "none", "num_samples": 0, "duration_s": 0.0,

@@ -26,7 +26,8 @@ from orchestrator.registry.db import Attempt, Job, Observation, Registry, Result
 from orchestrator.registry.states import SUBMITTED
 from orchestrator.sweeps import results
 from orchestrator.sweeps.status import cmd_show, cmd_status
-from orchestrator.telemetry import fold
+from orchestrator.telemetry import files, fold
+from orchestrator.telemetry.summary import summarize
 
 GIB = 2**30
 
@@ -102,9 +103,9 @@ def test_an_ended_jobs_files_are_read_once_and_kept_in_the_registry(
     summarised: list[Path] = []
     summarize = results.summarize
 
-    def counted(run_dir: Path) -> dict[str, Any]:
+    def counted(run_dir: Path, listing: Any = None) -> dict[str, Any]:
         summarised.append(run_dir)
-        return summarize(run_dir)
+        return summarize(run_dir, listing)
 
     monkeypatch.setattr(results, "summarize", counted)
     first = status_text(ended_sweep)
@@ -147,6 +148,25 @@ def test_status_decodes_each_job_row_once(ended_sweep: Registry, monkeypatch: py
     monkeypatch.setattr(db, "_job", counted)
     status_text(ended_sweep)
     assert sorted(decoded) == [0, 1]
+
+
+def test_an_ended_jobs_memory_from_one_listing_of_its_telemetry_is_what_a_full_look_finds(
+        tmp_path: Path) -> None:
+    """status lists a job's telemetry directory once instead of looking for each file (the end
+    summary, the ranks' and peaks' directories): what it finds is the same."""
+    run = tmp_path / "0"
+    write_telemetry(run, rss_bytes=3 * GIB)
+    for r in range(2):
+        files.register_rank(run, r, r, "n1", None, environ={}, pid=10 + r)
+    (run / "telemetry" / "peaks").mkdir()
+    peak = {"rank": 1, "device": None, "max_rss_bytes": 4 * GIB, "uss_bytes": GIB}
+    (run / "telemetry" / "peaks" / "rank-1.json").write_text(json.dumps(peak))
+    memory = results.job_memory(str(run))
+    assert memory == summarize(run)  # looked for file by file
+    assert memory is not None and [(r["pid"], r["end"]) for r in memory["ranks"]] == [(10, None), (11, peak)]
+    files.write_end_summary(run, {**memory, "notes": ["as rank 0 summarised it"]})
+    assert results.job_memory(str(run)) == {**memory, "notes": ["as rank 0 summarised it"]}
+    assert results.job_memory(str(tmp_path / "never-sampled")) is None
 
 
 class Ticks:
