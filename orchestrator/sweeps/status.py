@@ -286,9 +286,9 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
     unread = sum(r.unread for r in rows)
     if unread:
         print(f"\n{unread} ended job{'s' if unread != 1 else ''} not read yet ({UNREAD}: no step, loss or "
-              f"memory shown): each call reads what ended jobs left for about {budget_s:g} s and keeps "
-              f"it, so the next call reads on; {command(registry, 'status', sweep.id, '--read-all')} "
-              f"reads them all now", file=out)
+              f"memory shown yet).\nEach call reads what ended jobs left for about {budget_s:g} s and keeps "
+              f"it, so the next call reads on;\n{command(registry, 'status', sweep.id, '--read-all')} reads "
+              f"them all now.", file=out)
     return 0
 
 

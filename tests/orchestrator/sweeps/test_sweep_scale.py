@@ -213,8 +213,8 @@ def test_a_call_reads_ended_jobs_for_its_budget_marks_the_rest_unread_and_the_ne
     assert rows["1/1"][6:10] == ["11/20", "1.0000", "2.00", "GiB"]
     for n in (2, 3, 4):
         assert rows[f"1/{n}"][1] == "FAILED" and rows[f"1/{n}"][6:9] == ["unread"] * 3
-    assert "3 ended jobs not read yet (unread: no step, loss or memory shown)" in first
-    assert f"switchyard status 1 --read-all --registry {killed_sweep.path} reads them all now" in first
+    assert "3 ended jobs not read yet (unread: no step, loss or memory shown yet)" in first
+    assert f"switchyard status 1 --read-all --registry {killed_sweep.path} reads them all now." in first
     assert sorted(killed_sweep.results(1)) == [1, 2]  # what was read is kept
     second = table(budgeted(killed_sweep, 1.5, clock))
     assert [second[f"1/{n}"][6] for n in range(5)] == ["10/20", "11/20", "12/20", "13/20", "unread"]
