@@ -20,6 +20,7 @@ import pytest
 from fake_nvml import opened_samples
 from slurm_fakes import calls, fake_slurm
 
+from orchestrator import cli
 from orchestrator.launch import slurm_query
 from orchestrator.registry import db, reconciliation
 from orchestrator.registry.db import Attempt, Job, Observation, Registry, Result, Submitted
@@ -235,6 +236,11 @@ def test_a_call_past_its_budget_still_reads_one_job_and_read_all_and_json_read_e
     out = io.StringIO()
     cmd_status(killed_sweep, "1", as_json=False, out=out, budget_s=0.0, clock=clock, read_all=True)
     assert "unread" not in out.getvalue()
+
+
+def test_read_all_is_a_status_option(killed_sweep: Registry) -> None:
+    assert cli.main(["status", "1", "--read-all", "--registry", str(killed_sweep.path)]) == 0
+    assert len(killed_sweep.results(1)) == 5
 
 
 def test_one_jobs_status_reads_that_job_whatever_the_budget(killed_sweep: Registry) -> None:
