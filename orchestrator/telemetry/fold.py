@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,13 @@ def series_file(raw: Path) -> Path:
     return raw.with_name(raw.name.removesuffix(".jsonl") + ".series.json")
 
 
-def raw_files(run_dir: Path) -> list[Path]:
-    """Each node's raw samples (os.scandir: status calls this for thousands of jobs)."""
+def raw_files(run_dir: Path, listing: Collection[str] | None = None) -> list[Path]:
+    """Each node's raw samples (os.scandir: status calls this for thousands of jobs); ``listing``:
+    the names in the telemetry directory, when the caller has listed it already."""
     directory = telemetry_dir(run_dir)
     try:
-        names = sorted(e.name for e in os.scandir(directory) if e.name.endswith(".jsonl"))
+        names = sorted(n for n in (os.listdir(directory) if listing is None else listing)
+                       if n.endswith(".jsonl"))
     except FileNotFoundError:
         return []
     return [directory / name for name in names]
@@ -258,12 +260,12 @@ def _no_fold_note(raw: Path, start: int, size: int, why: str) -> str:
             f"MiB of samples only (switchyard plot --raw reads them all)")
 
 
-def read_digest(run_dir: Path) -> tuple[Digest, list[str]]:
+def read_digest(run_dir: Path, listing: Collection[str] | None = None) -> tuple[Digest, list[str]]:
     """Every node's fold merged, each brought up to its raw file's end, and notes on the nodes
     summarised from a part of their samples. Reads at most ``TAIL_BYTES`` of each raw file: the
-    raw file itself is not opened when its fold covers it."""
+    raw file itself is not opened when its fold covers it. ``listing``: as :func:`raw_files`'s."""
     digest, notes = Digest(), []
-    for raw in raw_files(run_dir):
+    for raw in raw_files(run_dir, listing):
         kept = _load(fold_file(raw))  # before the size: the sampler writes its fold after the samples
         size = raw.stat().st_size  # it covers, so a fold read first never ends past this size
         node, start = Digest(), 0

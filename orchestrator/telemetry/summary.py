@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from orchestrator.telemetry.common import Record, gib, rank_list
@@ -12,15 +12,17 @@ from orchestrator.telemetry.fold import read_digest
 from orchestrator.telemetry.stats import Digest, GpuStats, RankStats
 
 
-def summarize(run_dir: Path) -> Record:
+def summarize(run_dir: Path, listing: Collection[str] | None = None) -> Record:
     """The ``memory`` section of summary.json: per-GPU and per-rank peaks, and flags. JSON-serialisable.
 
     Works on a run still in progress (it reads what has been sampled so far) and on one that
     recorded nothing (mode ``"none"``). Reads what each node's sampler folded as it sampled, not
-    the samples (``fold``): its time does not grow with how long the run ran.
+    the samples (``fold``): its time does not grow with how long the run ran. ``listing``: the
+    names in its telemetry directory, when the caller has listed it (``status``, for thousands of
+    jobs: the ranks' and peaks' directories are not looked for where the listing has none).
     """
-    digest, notes = read_digest(run_dir)
-    return summary_of(run_dir, digest, notes)
+    digest, notes = read_digest(run_dir, listing)
+    return summary_of(run_dir, digest, notes, listing)
 
 
 def summarize_raw(run_dir: Path) -> Record:
@@ -30,11 +32,12 @@ def summarize_raw(run_dir: Path) -> Record:
     return summary_of(run_dir, digest)
 
 
-def summary_of(run_dir: Path, digest: Digest, notes: list[str] | None = None) -> Record:
+def summary_of(run_dir: Path, digest: Digest, notes: list[str] | None = None,
+               listing: Collection[str] | None = None) -> Record:
     """The memory section from the folded samples and the ranks' own files (small, read whole);
     ``notes``: what the fold's reader said (a node summarised from its last samples only)."""
-    ranks = {r.rank: r for r in load_ranks(run_dir)}
-    peaks = load_peaks(run_dir)
+    ranks = {r.rank: r for r in load_ranks(run_dir)} if listing is None or "ranks" in listing else {}
+    peaks = load_peaks(run_dir) if listing is None or "peaks" in listing else {}
     gpus, cpu_ranks = digest.gpu_list(), digest.rank_list()
     flags = idle_flags(gpus) + imbalance_flags(gpus) + cross_device_flags(gpus, ranks, peaks) \
         + uss_imbalance_flags(cpu_ranks)

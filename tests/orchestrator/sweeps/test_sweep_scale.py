@@ -20,13 +20,15 @@ import pytest
 from fake_nvml import opened_samples
 from slurm_fakes import calls, fake_slurm
 
+from orchestrator import cli
 from orchestrator.launch import slurm_query
 from orchestrator.registry import db, reconciliation
 from orchestrator.registry.db import Attempt, Job, Observation, Registry, Result, Submitted
 from orchestrator.registry.states import SUBMITTED
 from orchestrator.sweeps import results
 from orchestrator.sweeps.status import cmd_show, cmd_status
-from orchestrator.telemetry import fold
+from orchestrator.telemetry import files, fold
+from orchestrator.telemetry.summary import summarize
 
 GIB = 2**30
 
@@ -102,9 +104,9 @@ def test_an_ended_jobs_files_are_read_once_and_kept_in_the_registry(
     summarised: list[Path] = []
     summarize = results.summarize
 
-    def counted(run_dir: Path) -> dict[str, Any]:
+    def counted(run_dir: Path, listing: Any = None) -> dict[str, Any]:
         summarised.append(run_dir)
-        return summarize(run_dir)
+        return summarize(run_dir, listing)
 
     monkeypatch.setattr(results, "summarize", counted)
     first = status_text(ended_sweep)
@@ -147,6 +149,107 @@ def test_status_decodes_each_job_row_once(ended_sweep: Registry, monkeypatch: py
     monkeypatch.setattr(db, "_job", counted)
     status_text(ended_sweep)
     assert sorted(decoded) == [0, 1]
+
+
+def test_an_ended_jobs_memory_from_one_listing_of_its_telemetry_is_what_a_full_look_finds(
+        tmp_path: Path) -> None:
+    """status lists a job's telemetry directory once instead of looking for each file (the end
+    summary, the ranks' and peaks' directories): what it finds is the same."""
+    run = tmp_path / "0"
+    write_telemetry(run, rss_bytes=3 * GIB)
+    for r in range(2):
+        files.register_rank(run, r, r, "n1", None, environ={}, pid=10 + r)
+    (run / "telemetry" / "peaks").mkdir()
+    peak = {"rank": 1, "device": None, "max_rss_bytes": 4 * GIB, "uss_bytes": GIB}
+    (run / "telemetry" / "peaks" / "rank-1.json").write_text(json.dumps(peak))
+    memory = results.job_memory(str(run))
+    assert memory == summarize(run)  # looked for file by file
+    assert memory is not None and [(r["pid"], r["end"]) for r in memory["ranks"]] == [(10, None), (11, peak)]
+    files.write_end_summary(run, {**memory, "notes": ["as rank 0 summarised it"]})
+    assert results.job_memory(str(run)) == {**memory, "notes": ["as rank 0 summarised it"]}
+    assert results.job_memory(str(tmp_path / "never-sampled")) is None
+
+
+class Ticks:
+    """A clock that moves a second each time it is read: reading a job's files takes 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture
+def killed_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Registry:
+    """Five jobs killed outright (FAILED, telemetry and no summary of it), job N at step 10 + N."""
+    fake_slurm(tmp_path, monkeypatch, sacct="true")
+    reg = Registry(tmp_path / "r.db")
+    _, claims = slurm_sweep(reg, tmp_path, 5)
+    for n in range(5):
+        write_telemetry(tmp_path / str(n), rss_bytes=(n + 1) * GIB)
+        metrics = json.dumps({"step": 10 + n, "train_loss": 1.0}) + "\n"
+        (tmp_path / str(n) / "metrics.jsonl").write_text(metrics)
+    reg.observe([Observation(claims[n], "FAILED", exit_code=1, started_at=1.0, ended_at=9.0)
+                 for n in range(5)])
+    return reg
+
+
+def budgeted(reg: Registry, budget_s: float, clock: Ticks) -> str:
+    out = io.StringIO()
+    assert cmd_status(reg, "1", as_json=False, out=out, budget_s=budget_s, clock=clock) == 0
+    return out.getvalue()
+
+
+def test_a_call_reads_ended_jobs_for_its_budget_marks_the_rest_unread_and_the_next_reads_on(
+        killed_sweep: Registry) -> None:
+    """10,000 jobs killed between two calls made the next call read 10,000 jobs' files (11 s): a
+    call now reads for its budget, shows the jobs it did not read as such (never as "-", which
+    means "nothing there"), and keeps what it read, so the next call goes on from there."""
+    clock = Ticks()
+    first = budgeted(killed_sweep, 1.5, clock)  # 1 s per job: two jobs fit in 1.5 s
+    rows = table(first)
+    assert rows["1/0"][6:10] == ["10/20", "1.0000", "1.00", "GiB"]
+    assert rows["1/1"][6:10] == ["11/20", "1.0000", "2.00", "GiB"]
+    for n in (2, 3, 4):
+        assert rows[f"1/{n}"][1] == "FAILED" and rows[f"1/{n}"][6:9] == ["unread"] * 3
+    assert "3 ended jobs not read yet (unread: no step, loss or memory shown yet)" in first
+    assert f"switchyard status 1 --read-all --registry {killed_sweep.path} reads them all now." in first
+    assert sorted(killed_sweep.results(1)) == [1, 2]  # what was read is kept
+    second = table(budgeted(killed_sweep, 1.5, clock))
+    assert [second[f"1/{n}"][6] for n in range(5)] == ["10/20", "11/20", "12/20", "13/20", "unread"]
+    third = budgeted(killed_sweep, 1.5, clock)
+    assert [table(third)[f"1/{n}"][8] for n in range(5)] == ["1.00", "2.00", "3.00", "4.00", "5.00"]
+    assert "not read yet" not in third
+
+
+def test_a_call_past_its_budget_still_reads_one_job_and_read_all_and_json_read_every_one(
+        killed_sweep: Registry) -> None:
+    clock = Ticks()
+    assert "4 ended jobs not read yet" in budgeted(killed_sweep, 0.0, clock)  # progress, however slow
+    assert len(killed_sweep.results(1)) == 1
+    out = io.StringIO()
+    cmd_status(killed_sweep, "1", as_json=True, out=out, budget_s=0.0, clock=clock)  # scripts get it all
+    jobs = json.loads(out.getvalue())["jobs"]
+    assert [j["step"] for j in jobs] == [10, 11, 12, 13, 14] and not any(j["unread"] for j in jobs)
+    out = io.StringIO()
+    cmd_status(killed_sweep, "1", as_json=False, out=out, budget_s=0.0, clock=clock, read_all=True)
+    assert "unread" not in out.getvalue()
+
+
+def test_read_all_is_a_status_option(killed_sweep: Registry) -> None:
+    assert cli.main(["status", "1", "--read-all", "--registry", str(killed_sweep.path)]) == 0
+    assert len(killed_sweep.results(1)) == 5
+
+
+def test_one_jobs_status_reads_that_job_whatever_the_budget(killed_sweep: Registry) -> None:
+    out = io.StringIO()
+    cmd_status(killed_sweep, "1/3", as_json=False, out=out, budget_s=0.0, clock=Ticks())
+    rows = table(out.getvalue())
+    assert list(rows) == ["1/3"] and rows["1/3"][6:10] == ["13/20", "1.0000", "4.00", "GiB"]
+    assert rows["1/3"][-1] == "x=3" and "not read yet" not in out.getvalue()
+    assert list(killed_sweep.results(1)) == [4]
 
 
 # ------------------------------------------------------------------------------------------------
