@@ -166,7 +166,9 @@ def gib(num_bytes: int | float) -> str:
 def largest_batch(example: Batch, ds: ShardedDataset, batch_size: int) -> Batch:
     """``example`` (one sample, as the loader builds it) as ``batch_size`` rows of the longest
     shape: each padded field (one with a ``<name>_mask``) padded to the dataset's ``max_leading``,
-    its mask all true, its ``_lengths`` the maximum."""
+    its mask all true, its ``_lengths`` the maximum. Each is an expanded view of the one sample
+    (no memory of its own): the estimate makes the task's fields whole as fake tensors, so a
+    batch larger than this host's memory is estimated, not allocated."""
     out: Batch = {}
     for key, value in example.items():
         stats = ds.field_stats.get(key)
@@ -176,7 +178,7 @@ def largest_batch(example: Batch, ds: ShardedDataset, batch_size: int) -> Batch:
             value = torch.ones(1, ds.field_stats[key.removesuffix("_mask")].max_leading, dtype=value.dtype)
         elif key.endswith("_lengths") and key.removesuffix("_lengths") in ds.field_stats:
             value = torch.full_like(value, ds.field_stats[key.removesuffix("_lengths")].max_leading)
-        out[key] = value.expand(batch_size, *value.shape[1:]).contiguous()  # [batch_size, ...]
+        out[key] = value.expand(batch_size, *value.shape[1:])  # [batch_size, ...]: a view, no copy
     return out
 
 
@@ -222,7 +224,8 @@ def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
 
     try:
         with fake_world(cfg.parallelism.world_size if fsdp else 0) as mesh, FakeTensorMode() as mode:
-            fake = {k: mode.from_tensor(v) if k in task.fields() else v for k, v in batch.items()}
+            fake = {k: mode.from_tensor(v).contiguous() if k in task.fields() else v  # whole, fake
+                    for k, v in batch.items()}
             model = step.build_model(cfg.model, kwargs, cfg.memory)
             if mesh is not None:
                 shard(model, cfg, mesh)
@@ -424,7 +427,8 @@ Estimator = Callable[[TrainConfig], Estimate]
 
 def check_memory(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> MemoryReport | None:
     """``memory.estimate``: check (refuse a GPU step above ``FIT_FRACTION``, naming the cheapest
-    option that fits), warn (report only), off (nothing). None when off."""
+    option that fits, and a CPU step above all of the host's memory per rank, where the estimate is
+    rougher), warn (report only), off (nothing). None when off."""
     if cfg.memory.estimate == "off":
         return None
     capacity = gpu_capacity(cfg)
@@ -434,11 +438,17 @@ def check_memory(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
         return MemoryReport(None, capacity, str(e))
     report = MemoryReport(found, capacity)
     fraction = report.fraction
-    if cfg.memory.estimate == "check" and capacity is not None and capacity.is_gpu \
-            and fraction is not None and fraction > FIT_FRACTION:
+    if cfg.memory.estimate != "check" or capacity is None or fraction is None or found.peak <= 0:
+        return report
+    if capacity.is_gpu and fraction > FIT_FRACTION:
         def estimator(option: TrainConfig) -> Estimate:
             return estimate_step(option, task, ds, example)
         raise ConfigError(refusal(cfg, report, capacity, estimator))
+    if not capacity.is_gpu and fraction > 1.0:  # a CPU run: only a step above all of it is refused
+        raise ConfigError(f"memory: the estimated peak is {gib(found.peak)} per rank, more than the "
+                          f"{gib(capacity.bytes)} of {capacity.name}: the first step would run out of "
+                          f"memory, so nothing was queued (try a smaller data.batch_size="
+                          f"{cfg.data.batch_size} or model, or memory.estimate=warn to submit anyway)")
     return report
 
 
