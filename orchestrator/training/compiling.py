@@ -34,8 +34,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from orchestrator.training import blocks
 
 COMPILE_KEYS = tuple(f.name for f in dataclasses.fields(ModelCompileConfig))
 CACHE_DIR = "compile_cache"
-MAGIC = b"SWYDCC1\n"
+MAGIC = b"SWYDCC2\n"  # 2: the built C++ kernels ride along
 
 
 class RecompileLimitError(RuntimeError):
@@ -157,37 +158,127 @@ def cache_path(cfg: TrainConfig, run_dir: Path) -> Path:
     return run_dir / CACHE_DIR / f"{cache_key(cfg)}.bin"
 
 
-def save_cache(path: Path) -> bool:
-    """Publish what this process compiled (rank 0): header, checksum, artifacts; atomic."""
+# The file: MAGIC, a one-line JSON header (torch version, payload size and checksum, the size of
+# torch's artifacts, each kernel's name and size), then the payload: the artifacts, the kernels.
+KERNEL_NAME = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9]+)*\.(so|o)")
+
+
+def binaries(root: Path) -> set[str]:
+    """The built files (``.so``, ``.o``) in inductor's code cache ``root``, as ``xx/<hash>.so``."""
+    return {f"{p.parent.name}/{p.name}" for p in root.glob("??/*") if KERNEL_NAME.fullmatch(
+        f"{p.parent.name}/{p.name}")}
+
+
+def _loaded_kernels(root: Path) -> set[str]:
+    """The built files of the C++ kernels this process loaded (each C++ code cache's keys:
+    inductor puts key ``k``'s files in ``root/k[1:3]/k*``), be they built or found."""
+    from torch._inductor import codecache
+
+    keys: set[str] = set()
+    classes: list[type] = [codecache.CppCodeCache]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        keys.update(cls.__dict__.get("cache", {}))
+    return {name for key in keys for name in _binaries_of(root, key)}
+
+
+def _binaries_of(root: Path, key: str) -> set[str]:
+    return {f"{key[1:3]}/{p.name}" for p in (root / key[1:3]).glob(f"{key}*")
+            if KERNEL_NAME.fullmatch(f"{key[1:3]}/{p.name}")}
+
+
+def inductor_dir() -> Path:
+    """inductor's node-local cache (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_$USER``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def kernels_built_since(before: set[str]) -> set[str]:
+    """What the cache carries besides torch's artifacts, which hold inductor's C++ source but not
+    its build: the binaries of the kernels this process loaded, and every binary that appeared in
+    the code cache since ``before`` (the vector ISA probes inductor builds once per code cache,
+    then runs in a subprocess: on a node whose CPU lacks the ISA the probe fails there, and a
+    kernel built for another ISA has another key, so neither is used where it cannot run)."""
+    root = inductor_dir()
+    return _loaded_kernels(root) | (binaries(root) - before)
+
+
+def save_cache(path: Path, kernels: Collection[str] = ()) -> bool:
+    """Publish what this process compiled (rank 0): header, checksum, torch's artifacts and the
+    built ``kernels`` (names under ``inductor_dir()``); atomic."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return False
     artifacts, _ = saved
-    header = json.dumps({"torch": torch.__version__, "bytes": len(artifacts),
-                         "xxh3": xxhash.xxh3_64_hexdigest(artifacts)}).encode()
+    root = inductor_dir()
+    blobs = [(name, (root / name).read_bytes()) for name in sorted(kernels) if (root / name).is_file()]
+    payload = artifacts + b"".join(blob for _, blob in blobs)
+    header = json.dumps({"torch": torch.__version__, "bytes": len(payload),
+                         "xxh3": xxhash.xxh3_64_hexdigest(payload), "artifacts": len(artifacts),
+                         "kernels": [[name, len(blob)] for name, blob in blobs]}).encode()
     with atomic.atomic_write(path, binary=True) as f:
-        f.write(MAGIC + header + b"\n" + artifacts)
+        f.write(MAGIC + header + b"\n" + payload)
     return True
 
 
+def _split(header: dict[str, Any], payload: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """The payload -> (torch's artifacts, [(kernel name, its bytes)]); a ValueError if the header
+    does not describe it exactly or names a file outside the code cache's layout."""
+    at = artifacts_end = int(header["artifacts"])
+    kernels = []
+    for name, size in header["kernels"]:
+        if not isinstance(name, str) or not KERNEL_NAME.fullmatch(name):
+            raise ValueError(f"a kernel named {name!r}")
+        kernels.append((name, payload[at:at + int(size)]))
+        at += int(size)
+    if at != len(payload):
+        raise ValueError("the kernels' sizes do not add up to the file's")
+    return payload[:artifacts_end], kernels
+
+
+def _unpack(kernels: list[tuple[str, bytes]]) -> int:
+    """Each kernel into this node's code cache unless there already: written to a temp name and
+    renamed, so the node's ranks, unpacking at once, never see a half-written library. Returns
+    how many were written."""
+    root = inductor_dir()
+    written = 0
+    for name, blob in kernels:
+        target = root / name
+        if target.exists():
+            continue
+        with atomic.atomic_write(target, binary=True, durable=False) as f:
+            f.write(blob)
+            os.fchmod(f.fileno(), 0o755)  # as the compiler leaves a library
+        written += 1
+    return written
+
+
 def load_cache(path: Path) -> tuple[bool, str | None]:
-    """(loaded, warning): a missing file is neither; another torch's or a damaged one is a warning."""
+    """(loaded, warning): a missing file is neither; another torch's or a damaged one is a warning.
+    Loaded: torch's artifacts into its caches, the built kernels into ``inductor_dir()``."""
     if not path.is_file():
         return False, None
     try:
         data = path.read_bytes()
         if not data.startswith(MAGIC):
-            raise ValueError("not a Switchyard compile cache")
-        header_line, _, artifacts = data[len(MAGIC):].partition(b"\n")
+            raise ValueError("not a Switchyard compile cache of this version")
+        header_line, _, payload = data[len(MAGIC):].partition(b"\n")
         header = json.loads(header_line)
     except (OSError, ValueError) as e:
         return False, f"ignored the compile cache {path}: unreadable ({e}); compiling from scratch"
     if header.get("torch") != torch.__version__:
         return False, (f"ignored the compile cache {path}: written by torch {header.get('torch')}, "
                        f"this is torch {torch.__version__}; compiling from scratch")
-    if header.get("bytes") != len(artifacts) or header.get("xxh3") != xxhash.xxh3_64_hexdigest(artifacts):
+    if header.get("bytes") != len(payload) or header.get("xxh3") != xxhash.xxh3_64_hexdigest(payload):
         return False, (f"ignored the compile cache {path}: its checksum does not match (damaged); "
                        f"compiling from scratch")
+    try:
+        artifacts, kernels = _split(header, payload)
+        _unpack(kernels)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return False, f"ignored the compile cache {path}: unreadable ({e}); compiling from scratch"
     try:
         torch.compiler.load_cache_artifacts(artifacts)
     except Exception as e:  # torch's own format checks: never trust a cache that fails them
@@ -240,10 +331,11 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
     if warning and is_main:
         print(f"warning: {warning}", flush=True)
     recompiles = watch_recompiles(spec.recompile_limit)
+    before = binaries(inductor_dir()) if is_main and not loaded else set()
     with limit_errors(recompiles, spec.recompile_limit):
         warm()
     cache = "loaded" if loaded else "none"
-    if not loaded and is_main and save_cache(path):
+    if not loaded and is_main and save_cache(path, kernels_built_since(before)):
         cache = "published"
     report = CompileReport(spec.backend, spec.mode, compiled_units,
                            round(time.perf_counter() - started, 3), cache,

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._inductor.utils
 from rank_helpers import write_rows_dataset
 from train_helpers import CHEAP, refusal, run_train
 
@@ -103,16 +104,27 @@ def test_checkpoints_resume_from_compiled_to_eager_and_back_exactly(
         assert resumed["param_checksum_per_rank"] == straight["param_checksum_per_rank"]
 
 
-def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(rank: runtime.Runtime,
-                                                                         data: trainer.DataPaths,
-                                                                         tmp_path: Path) -> None:
-    """inductor: the one real code-generating compile of this file (tens of seconds on CPU)."""
+def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(
+        rank: runtime.Runtime, data: trainer.DataPaths, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """inductor: the one real code-generating compile of this file (tens of seconds on CPU). The
+    resume stands for a requeue on another node: an empty inductor cache and no kernel in memory.
+    torch's artifacts hold inductor's C++ source, not the built kernels: until the file carried
+    them, that resume built every kernel again with the compiler."""
     run = tmp_path / "run"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "node1"))
     first = train(rank, data, run, config(data, backend="inductor", steps=2))
     assert first["compile"]["cache"] == "published"
     [cache] = (run / compiling.CACHE_DIR).iterdir()
+    node2 = tmp_path / "node2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node2))
+    torch._inductor.utils.clear_caches()  # the kernels this process loaded, as a new process
     resumed = train(rank, data, run, config(data, backend="inductor", steps=3))
     assert resumed["compile"]["cache"] == "loaded" and resumed["compile"]["warnings"] == []
+    header = json.loads(cache.read_bytes().split(b"\n", 2)[1])
+    carried = {name for name, _ in header.get("kernels", [])}
+    assert compiling.binaries(node2) - carried == set()  # built none: each came in the file
+    assert any(name.endswith(".so") for name in carried)
 
     good = cache.read_bytes()
     cache.write_bytes(good.replace(torch.__version__.encode(), b"0.0.1", 1))
@@ -121,9 +133,31 @@ def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(rank: r
         f"ignored the compile cache {cache}: written by torch 0.0.1, this is torch {torch.__version__}; "
         f"compiling from scratch"]
     assert other["compile"]["cache"] == "published"  # rank 0 replaced it with its own
-    cache.write_bytes(good[:-10] + b"0123456789")
+    cache.write_bytes(good[:-10] + b"0123456789")  # the last kernel's tail
     damaged = train(rank, data, run, config(data, backend="inductor", steps=5))
     assert "its checksum does not match (damaged)" in damaged["compile"]["warnings"][0]
+
+
+@pytest.mark.parametrize(("kernels", "why"), [
+    ([["../../evil.so", 3]], "a kernel named '../../evil.so'"),
+    ([["ab/cabc.so", 2]], "the kernels' sizes do not add up to the file's"),
+    ([], "the kernels' sizes do not add up to the file's"),
+], ids=["outside-the-code-cache", "short", "undeclared-bytes"])
+def test_a_cache_whose_kernels_do_not_fit_its_header_is_ignored_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: list[list[Any]], why: str) -> None:
+    """A checksum only says the file is as its writer left it: the kernel names and sizes are
+    still checked before a byte lands in the node's code cache."""
+    node = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node))
+    payload = b"torch" + b"so!"
+    header = {"torch": torch.__version__, "bytes": len(payload), "artifacts": 5, "kernels": kernels,
+              "xxh3": compiling.xxhash.xxh3_64_hexdigest(payload)}
+    path = tmp_path / "run" / "cache.bin"
+    path.parent.mkdir()
+    path.write_bytes(compiling.MAGIC + json.dumps(header).encode() + b"\n" + payload)
+    assert compiling.load_cache(path) == (
+        False, f"ignored the compile cache {path}: unreadable ({why}); compiling from scratch")
+    assert not (tmp_path / "evil.so").exists() and compiling.binaries(node) == set()
 
 
 class Rows(torch.nn.Module):
