@@ -340,4 +340,7 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
     report = CompileReport(spec.backend, spec.mode, compiled_units,
                            round(time.perf_counter() - started, 3), cache,
                            warnings=[warning] if warning else [])
+    if is_main:  # each attempt's own: a requeued one never reaches the start-up line of its end
+        print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s "
+              f"({spec.backend}, cache {cache})", flush=True)
     return report, recompiles
