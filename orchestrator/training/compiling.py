@@ -112,15 +112,30 @@ class Recompiles(logging.Handler):
         self.last = " ".join(record.getMessage().split())
 
 
+RECOMPILE_LOGS = ("torch._dynamo.guards.__recompiles", "torch._dynamo.guards.__recompiles_verbose")
+
+
+def log_recompiles() -> None:
+    """torch's ``recompiles`` log on, beside whatever the user's ``TORCH_LOGS`` turned on: torch
+    writes a recompile's record only when that log is on (``set_logs`` would replace the user's
+    choice, and does nothing at all under ``TORCH_LOGS``: a TORCH_LOGS without ``recompiles``
+    counted none)."""
+    state = torch._logging._internal.log_state
+    if state.is_artifact_enabled("recompiles") or state.is_artifact_enabled("recompiles_verbose"):
+        return
+    state.enable_artifact("recompiles")
+    torch._logging._internal.configure_artifact_log(logging.getLogger(RECOMPILE_LOGS[0]))
+
+
 def watch_recompiles(limit: int) -> Recompiles:
     """From here on every recompile is logged by torch (its reason on the rank's stderr) and
     counted; the ``limit``-th recompile of one function raises in the step (``limit_errors``)."""
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    if not os.environ.get("TORCH_LOGS"):  # set_logs would replace the user's own choice
-        torch._logging.set_logs(recompiles=True)  # (theirs counts recompiles only if it names them)
+    log_recompiles()
     handler = Recompiles()
-    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
+    for name in RECOMPILE_LOGS:
+        logging.getLogger(name).addHandler(handler)
     return handler
 
 

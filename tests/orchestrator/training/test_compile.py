@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from jobs.prepare import prepare
 from orchestrator.config import (
     CausalLmTaskConfig,
     CheckpointConfig,
+    ConfigError,
     DataConfig,
     GptConfig,
     LoggerConfig,
@@ -36,7 +38,7 @@ from orchestrator.config import (
     TrainConfig,
     TransformerConfig,
 )
-from orchestrator.training import compiling, runtime, trainer
+from orchestrator.training import compiling, runtime, step, trainer
 
 LINE = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs\n"
 
@@ -165,10 +167,23 @@ class Rows(torch.nn.Module):
         return x * 2
 
 
-def test_recompiles_past_the_limit_fail_naming_the_guard(rank: runtime.Runtime, data: trainer.DataPaths,
-                                                         tmp_path: Path) -> None:
+@pytest.fixture
+def torch_logs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str | None]:
+    """The user's ``TORCH_LOGS``, as torch reads it when a process starts; torch's default after."""
+    if request.param is not None:
+        monkeypatch.setenv("TORCH_LOGS", request.param)
+    torch._logging._internal._init_logs()
+    yield request.param
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    torch._logging._internal._init_logs()
+
+
+@pytest.mark.parametrize("torch_logs", [None, "graph_breaks"], indirect=True, ids=["unset", "other-logs"])
+def test_recompiles_past_the_limit_fail_naming_the_guard(torch_logs: str | None) -> None:
     """A block called with a new shape every time, dynamic shapes off: one compile per shape, and
-    the limit's failure names the guard that failed instead of torch's bare message."""
+    the limit's failure names the guard that failed instead of torch's bare message. With the
+    user's TORCH_LOGS naming other logs, torch wrote no recompile record: none was counted and
+    the failure named no guard."""
     model = Rows()
     torch._dynamo.reset()
     compiling.compile_in_place(model, compiling.CompileSpec(enabled=True, backend="eager", dynamic=False), [])
@@ -179,6 +194,8 @@ def test_recompiles_past_the_limit_fail_naming_the_guard(rank: runtime.Runtime, 
     assert recompiles.count >= 1
     assert "past model.compile_recompile_limit=2" in str(failed.value)
     assert "size mismatch at index 0" in str(failed.value)  # torch's own words for the guard
+    if torch_logs:  # the user's own choice stays on
+        assert torch._logging._internal.log_state.is_artifact_enabled(torch_logs)
 
 
 def test_an_optimizer_implementation_is_recorded_and_a_resume_may_change_it(
@@ -194,6 +211,30 @@ def test_an_optimizer_implementation_is_recorded_and_a_resume_may_change_it(
     straight = train(rank, data, tmp_path / "straight", config(data, compile=False, steps=4))
     assert straight["optim_implementation"] == "foreach"  # auto on a CPU
     assert math.isclose(resumed["final_train_loss"], straight["final_train_loss"], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize(("implementation", "device", "refusal"), [
+    ("auto", "cuda", "optim.implementation='auto' (here: fused) is not available here: no fused kernel "
+                     "(try optim.implementation=foreach or optim.implementation=for-loop)"),
+    ("fused", "cpu", "optim.implementation='fused' is not available here: no fused kernel "
+                     "(try optim.implementation=foreach or optim.implementation=for-loop)"),
+])
+def test_a_fused_kernel_torch_lacks_is_refused_naming_the_value_and_the_other_choices(
+        monkeypatch: pytest.MonkeyPatch, implementation: str, device: str, refusal: str) -> None:
+    """A torch whose optimizer refuses ``fused=True`` on the device (a mocked CUDA build): auto
+    had chosen fused, yet the refusal offered "or auto", the value that failed."""
+    real = torch.optim.AdamW
+
+    def without_fused(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        if kwargs.get("fused"):
+            raise RuntimeError("no fused kernel")
+        return real(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", without_fused)
+    with pytest.raises(ConfigError) as refused:
+        step.build_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimConfig(implementation=implementation),
+                             torch.device(device))
+    assert str(refused.value) == refusal
 
 
 def test_compile_with_auto_microbatch_and_a_bad_mode_are_refused_before_submission() -> None:
