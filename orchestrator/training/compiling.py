@@ -15,15 +15,27 @@ artifacts kept in the run directory so that a resume or a requeue does not compi
   (600 s by default): raise it when one rank may compile much longer than another (a cold cache
   on one node, a warm one on the other). The phase is ``compile`` in ``summary.json``'s
   ``startup_s`` and in the start-up line. The eval graphs compile at the first evaluation.
-- Recompiles are counted (each one's failed guard is logged by torch); past
+- Recompiles are counted (torch's ``recompiles`` log is turned on beside the user's
+  ``TORCH_LOGS``: each one's failed guard on the rank's stderr); past
   ``model.compile_recompile_limit`` for one block the run fails, naming the last guard.
-- The cache: rank 0 publishes ``torch.compiler.save_cache_artifacts()`` after the warm-up to
-  ``RUN/compile_cache/<key>.bin`` (atomically), ``key`` a hash of the model, compile, memory and
-  data config and the strategy. Every rank of a later attempt loads it before the warm-up, so
-  inductor finds its graphs in its local cache (``/tmp/torchinductor_$USER`` unless
-  ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: node-local, shared by the node's ranks) instead of
-  generating and compiling them. A file from another torch version, or one whose checksum does
-  not match, is ignored with a warning.
+- The cache: rank 0 publishes, after the warm-up, one file ``RUN/compile_cache/<key>.bin``
+  (atomically), ``key`` a hash of the model, compile, memory and data config and the strategy.
+  It holds ``torch.compiler.save_cache_artifacts()`` (the graphs: dynamo's, AOTAutograd's,
+  inductor's generated code; on a GPU also the built Triton kernels) and, for a CPU, the C++
+  kernels inductor built with the compiler, which the artifacts hold only as source: the ``.so``
+  of every kernel this process loaded, and every binary that appeared in inductor's code cache
+  during the warm-up (its vector ISA probes). Every rank of a later attempt unpacks the kernels
+  into inductor's node-local cache (``/tmp/torchinductor_$USER`` unless
+  ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: shared by the node's ranks; each file written to a
+  temp name and renamed, so ranks unpacking at once never see half a library) and loads the
+  artifacts, before the warm-up: inductor then finds its graphs and its kernels, on this node or
+  another, instead of generating and building them. A kernel built for another CPU's vector ISA
+  has another key and is built again; an ISA probe runs in a subprocess, so one copied to a
+  CPU without that ISA fails there. A file from another torch version, one whose checksum does
+  not match, or whose kernels do not fit its header, is ignored with a warning.
+- Rank 0 prints ``compile: N blocks in S s (backend, cache ...)`` after the warm-up: each
+  attempt's own figure (the start-up line is printed at the end of a run, which a requeued
+  attempt never reaches).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import json
 import logging
 import os
 import re
+import resource
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -336,11 +349,18 @@ class CompileReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its ended children (the compiler inductor runs): beside
+    the wall-clock seconds, a figure a busy machine disturbs less."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: Path, is_main: bool,
             warm: Callable[[], None]) -> tuple[CompileReport, Recompiles]:
     """Load the cache if there is one, compile everything (``warm``), publish the cache (rank 0,
     when there was none to load)."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), cpu_seconds()
     path = cache_path(cfg, run_dir)
     loaded, warning = load_cache(path)
     if warning and is_main:
@@ -356,6 +376,6 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
                            round(time.perf_counter() - started, 3), cache,
                            warnings=[warning] if warning else [])
     if is_main:  # each attempt's own: a requeued one never reaches the start-up line of its end
-        print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s "
-              f"({spec.backend}, cache {cache})", flush=True)
+        print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s, cpu "
+              f"{cpu_seconds() - cpu_started:.2f} s ({spec.backend}, cache {cache})", flush=True)
     return report, recompiles
