@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import re
-import resource
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -349,18 +348,11 @@ class CompileReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
-def cpu_seconds() -> float:
-    """CPU seconds of this process and of its ended children (the compiler inductor runs): beside
-    the wall-clock seconds, a figure a busy machine disturbs less."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
-
-
 def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: Path, is_main: bool,
             warm: Callable[[], None]) -> tuple[CompileReport, Recompiles]:
     """Load the cache if there is one, compile everything (``warm``), publish the cache (rank 0,
     when there was none to load)."""
-    started, cpu_started = time.perf_counter(), cpu_seconds()
+    started = time.perf_counter()
     path = cache_path(cfg, run_dir)
     loaded, warning = load_cache(path)
     if warning and is_main:
@@ -376,6 +368,6 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
                            round(time.perf_counter() - started, 3), cache,
                            warnings=[warning] if warning else [])
     if is_main:  # each attempt's own: a requeued one never reaches the start-up line of its end
-        print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s, cpu "
-              f"{cpu_seconds() - cpu_started:.2f} s ({spec.backend}, cache {cache})", flush=True)
+        print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s "
+              f"({spec.backend}, cache {cache})", flush=True)
     return report, recompiles
