@@ -358,11 +358,12 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
     if warning and is_main:
         print(f"warning: {warning}", flush=True)
     recompiles = watch_recompiles(spec.recompile_limit)
-    before = binaries(inductor_dir()) if is_main and not loaded else set()
+    builds = is_main and not loaded and spec.backend == "inductor"  # C++ kernels to carry
+    before = binaries(inductor_dir()) if builds else set()
     with limit_errors(recompiles, spec.recompile_limit):
         warm()
     cache = "loaded" if loaded else "none"
-    if not loaded and is_main and save_cache(path, kernels_built_since(before)):
+    if not loaded and is_main and save_cache(path, kernels_built_since(before) if builds else ()):
         cache = "published"
     report = CompileReport(spec.backend, spec.mode, compiled_units,
                            round(time.perf_counter() - started, 3), cache,
