@@ -15,15 +15,27 @@ artifacts kept in the run directory so that a resume or a requeue does not compi
   (600 s by default): raise it when one rank may compile much longer than another (a cold cache
   on one node, a warm one on the other). The phase is ``compile`` in ``summary.json``'s
   ``startup_s`` and in the start-up line. The eval graphs compile at the first evaluation.
-- Recompiles are counted (each one's failed guard is logged by torch); past
+- Recompiles are counted (torch's ``recompiles`` log is turned on beside the user's
+  ``TORCH_LOGS``: each one's failed guard on the rank's stderr); past
   ``model.compile_recompile_limit`` for one block the run fails, naming the last guard.
-- The cache: rank 0 publishes ``torch.compiler.save_cache_artifacts()`` after the warm-up to
-  ``RUN/compile_cache/<key>.bin`` (atomically), ``key`` a hash of the model, compile, memory and
-  data config and the strategy. Every rank of a later attempt loads it before the warm-up, so
-  inductor finds its graphs in its local cache (``/tmp/torchinductor_$USER`` unless
-  ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: node-local, shared by the node's ranks) instead of
-  generating and compiling them. A file from another torch version, or one whose checksum does
-  not match, is ignored with a warning.
+- The cache: rank 0 publishes, after the warm-up, one file ``RUN/compile_cache/<key>.bin``
+  (atomically), ``key`` a hash of the model, compile, memory and data config and the strategy.
+  It holds ``torch.compiler.save_cache_artifacts()`` (the graphs: dynamo's, AOTAutograd's,
+  inductor's generated code; on a GPU also the built Triton kernels) and, for a CPU, the C++
+  kernels inductor built with the compiler, which the artifacts hold only as source: the ``.so``
+  of every kernel this process loaded, and every binary that appeared in inductor's code cache
+  during the warm-up (its vector ISA probes). Every rank of a later attempt unpacks the kernels
+  into inductor's node-local cache (``/tmp/torchinductor_$USER`` unless
+  ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: shared by the node's ranks; each file written to a
+  temp name and renamed, so ranks unpacking at once never see half a library) and loads the
+  artifacts, before the warm-up: inductor then finds its graphs and its kernels, on this node or
+  another, instead of generating and building them. A kernel built for another CPU's vector ISA
+  has another key and is built again; an ISA probe runs in a subprocess, so one copied to a
+  CPU without that ISA fails there. A file from another torch version, one whose checksum does
+  not match, or whose kernels do not fit its header, is ignored with a warning.
+- Rank 0 prints ``compile: N blocks in S s (backend, cache ...)`` after the warm-up: each
+  attempt's own figure (the start-up line is printed at the end of a run, which a requeued
+  attempt never reaches).
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +63,7 @@ from orchestrator.training import blocks
 
 COMPILE_KEYS = tuple(f.name for f in dataclasses.fields(ModelCompileConfig))
 CACHE_DIR = "compile_cache"
-MAGIC = b"SWYDCC1\n"
+MAGIC = b"SWYDCC2\n"  # 2: the built C++ kernels ride along
 
 
 class RecompileLimitError(RuntimeError):
@@ -111,15 +124,30 @@ class Recompiles(logging.Handler):
         self.last = " ".join(record.getMessage().split())
 
 
+RECOMPILE_LOGS = ("torch._dynamo.guards.__recompiles", "torch._dynamo.guards.__recompiles_verbose")
+
+
+def log_recompiles() -> None:
+    """torch's ``recompiles`` log on, beside whatever the user's ``TORCH_LOGS`` turned on: torch
+    writes a recompile's record only when that log is on (``set_logs`` would replace the user's
+    choice, and does nothing at all under ``TORCH_LOGS``: a TORCH_LOGS without ``recompiles``
+    counted none)."""
+    state = torch._logging._internal.log_state
+    if state.is_artifact_enabled("recompiles") or state.is_artifact_enabled("recompiles_verbose"):
+        return
+    state.enable_artifact("recompiles")
+    torch._logging._internal.configure_artifact_log(logging.getLogger(RECOMPILE_LOGS[0]))
+
+
 def watch_recompiles(limit: int) -> Recompiles:
     """From here on every recompile is logged by torch (its reason on the rank's stderr) and
     counted; the ``limit``-th recompile of one function raises in the step (``limit_errors``)."""
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    if not os.environ.get("TORCH_LOGS"):  # set_logs would replace the user's own choice
-        torch._logging.set_logs(recompiles=True)  # (theirs counts recompiles only if it names them)
+    log_recompiles()
     handler = Recompiles()
-    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
+    for name in RECOMPILE_LOGS:
+        logging.getLogger(name).addHandler(handler)
     return handler
 
 
@@ -157,37 +185,127 @@ def cache_path(cfg: TrainConfig, run_dir: Path) -> Path:
     return run_dir / CACHE_DIR / f"{cache_key(cfg)}.bin"
 
 
-def save_cache(path: Path) -> bool:
-    """Publish what this process compiled (rank 0): header, checksum, artifacts; atomic."""
+# The file: MAGIC, a one-line JSON header (torch version, payload size and checksum, the size of
+# torch's artifacts, each kernel's name and size), then the payload: the artifacts, the kernels.
+KERNEL_NAME = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9]+)*\.(so|o)")
+
+
+def binaries(root: Path) -> set[str]:
+    """The built files (``.so``, ``.o``) in inductor's code cache ``root``, as ``xx/<hash>.so``."""
+    return {f"{p.parent.name}/{p.name}" for p in root.glob("??/*") if KERNEL_NAME.fullmatch(
+        f"{p.parent.name}/{p.name}")}
+
+
+def _loaded_kernels(root: Path) -> set[str]:
+    """The built files of the C++ kernels this process loaded (each C++ code cache's keys:
+    inductor puts key ``k``'s files in ``root/k[1:3]/k*``), be they built or found."""
+    from torch._inductor import codecache
+
+    keys: set[str] = set()
+    classes: list[type] = [codecache.CppCodeCache]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        keys.update(cls.__dict__.get("cache", {}))
+    return {name for key in keys for name in _binaries_of(root, key)}
+
+
+def _binaries_of(root: Path, key: str) -> set[str]:
+    return {f"{key[1:3]}/{p.name}" for p in (root / key[1:3]).glob(f"{key}*")
+            if KERNEL_NAME.fullmatch(f"{key[1:3]}/{p.name}")}
+
+
+def inductor_dir() -> Path:
+    """inductor's node-local cache (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_$USER``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def kernels_built_since(before: set[str]) -> set[str]:
+    """What the cache carries besides torch's artifacts, which hold inductor's C++ source but not
+    its build: the binaries of the kernels this process loaded, and every binary that appeared in
+    the code cache since ``before`` (the vector ISA probes inductor builds once per code cache,
+    then runs in a subprocess: on a node whose CPU lacks the ISA the probe fails there, and a
+    kernel built for another ISA has another key, so neither is used where it cannot run)."""
+    root = inductor_dir()
+    return _loaded_kernels(root) | (binaries(root) - before)
+
+
+def save_cache(path: Path, kernels: Collection[str] = ()) -> bool:
+    """Publish what this process compiled (rank 0): header, checksum, torch's artifacts and the
+    built ``kernels`` (names under ``inductor_dir()``); atomic."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return False
     artifacts, _ = saved
-    header = json.dumps({"torch": torch.__version__, "bytes": len(artifacts),
-                         "xxh3": xxhash.xxh3_64_hexdigest(artifacts)}).encode()
+    root = inductor_dir()
+    blobs = [(name, (root / name).read_bytes()) for name in sorted(kernels) if (root / name).is_file()]
+    payload = artifacts + b"".join(blob for _, blob in blobs)
+    header = json.dumps({"torch": torch.__version__, "bytes": len(payload),
+                         "xxh3": xxhash.xxh3_64_hexdigest(payload), "artifacts": len(artifacts),
+                         "kernels": [[name, len(blob)] for name, blob in blobs]}).encode()
     with atomic.atomic_write(path, binary=True) as f:
-        f.write(MAGIC + header + b"\n" + artifacts)
+        f.write(MAGIC + header + b"\n" + payload)
     return True
 
 
+def _split(header: dict[str, Any], payload: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """The payload -> (torch's artifacts, [(kernel name, its bytes)]); a ValueError if the header
+    does not describe it exactly or names a file outside the code cache's layout."""
+    at = artifacts_end = int(header["artifacts"])
+    kernels = []
+    for name, size in header["kernels"]:
+        if not isinstance(name, str) or not KERNEL_NAME.fullmatch(name):
+            raise ValueError(f"a kernel named {name!r}")
+        kernels.append((name, payload[at:at + int(size)]))
+        at += int(size)
+    if at != len(payload):
+        raise ValueError("the kernels' sizes do not add up to the file's")
+    return payload[:artifacts_end], kernels
+
+
+def _unpack(kernels: list[tuple[str, bytes]]) -> int:
+    """Each kernel into this node's code cache unless there already: written to a temp name and
+    renamed, so the node's ranks, unpacking at once, never see a half-written library. Returns
+    how many were written."""
+    root = inductor_dir()
+    written = 0
+    for name, blob in kernels:
+        target = root / name
+        if target.exists():
+            continue
+        with atomic.atomic_write(target, binary=True, durable=False) as f:
+            f.write(blob)
+            os.fchmod(f.fileno(), 0o755)  # as the compiler leaves a library
+        written += 1
+    return written
+
+
 def load_cache(path: Path) -> tuple[bool, str | None]:
-    """(loaded, warning): a missing file is neither; another torch's or a damaged one is a warning."""
+    """(loaded, warning): a missing file is neither; another torch's or a damaged one is a warning.
+    Loaded: torch's artifacts into its caches, the built kernels into ``inductor_dir()``."""
     if not path.is_file():
         return False, None
     try:
         data = path.read_bytes()
         if not data.startswith(MAGIC):
-            raise ValueError("not a Switchyard compile cache")
-        header_line, _, artifacts = data[len(MAGIC):].partition(b"\n")
+            raise ValueError("not a Switchyard compile cache of this version")
+        header_line, _, payload = data[len(MAGIC):].partition(b"\n")
         header = json.loads(header_line)
     except (OSError, ValueError) as e:
         return False, f"ignored the compile cache {path}: unreadable ({e}); compiling from scratch"
     if header.get("torch") != torch.__version__:
         return False, (f"ignored the compile cache {path}: written by torch {header.get('torch')}, "
                        f"this is torch {torch.__version__}; compiling from scratch")
-    if header.get("bytes") != len(artifacts) or header.get("xxh3") != xxhash.xxh3_64_hexdigest(artifacts):
+    if header.get("bytes") != len(payload) or header.get("xxh3") != xxhash.xxh3_64_hexdigest(payload):
         return False, (f"ignored the compile cache {path}: its checksum does not match (damaged); "
                        f"compiling from scratch")
+    try:
+        artifacts, kernels = _split(header, payload)
+        _unpack(kernels)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return False, f"ignored the compile cache {path}: unreadable ({e}); compiling from scratch"
     try:
         torch.compiler.load_cache_artifacts(artifacts)
     except Exception as e:  # torch's own format checks: never trust a cache that fails them
@@ -240,12 +358,17 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
     if warning and is_main:
         print(f"warning: {warning}", flush=True)
     recompiles = watch_recompiles(spec.recompile_limit)
+    builds = is_main and not loaded and spec.backend == "inductor"  # C++ kernels to carry
+    before = binaries(inductor_dir()) if builds else set()
     with limit_errors(recompiles, spec.recompile_limit):
         warm()
     cache = "loaded" if loaded else "none"
-    if not loaded and is_main and save_cache(path):
+    if not loaded and is_main and save_cache(path, kernels_built_since(before) if builds else ()):
         cache = "published"
     report = CompileReport(spec.backend, spec.mode, compiled_units,
                            round(time.perf_counter() - started, 3), cache,
                            warnings=[warning] if warning else [])
+    if is_main:  # each attempt's own: a requeued one never reaches the start-up line of its end
+        print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s "
+              f"({spec.backend}, cache {cache})", flush=True)
     return report, recompiles

@@ -80,12 +80,17 @@ def loads_weights(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "from_pretrained" in str(error) and "meta" in str(error)
 
 
+def resolved_implementation(cfg: OptimConfig, device: torch.device) -> str:
+    """``optim.implementation`` with auto decided: fused on CUDA (both AdamW and SGD have the
+    kernel there), foreach elsewhere."""
+    if cfg.implementation == "auto":
+        return "fused" if device.type == "cuda" else "foreach"
+    return cfg.implementation
+
+
 def optimizer_kernels(cfg: OptimConfig, device: torch.device) -> dict[str, bool]:
-    """``optim.implementation`` as the optimizer's keyword arguments; auto: fused on CUDA (both
-    AdamW and SGD have the kernel there), foreach elsewhere."""
-    chosen = cfg.implementation
-    if chosen == "auto":
-        chosen = "fused" if device.type == "cuda" else "foreach"
+    """``optim.implementation`` as the optimizer's keyword arguments."""
+    chosen = resolved_implementation(cfg, device)
     return {"fused": chosen == "fused", "foreach": chosen == "foreach"}
 
 
@@ -104,8 +109,16 @@ def build_optimizer(params: Any, cfg: OptimConfig, device: torch.device | None =
                                    weight_decay=cfg.weight_decay, **kernels)
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernels)
     except RuntimeError as e:  # a fused kernel this device or dtype lacks
-        raise ConfigError(f"optim.implementation={cfg.implementation!r} is not available here: {e} "
-                          f"(try optim.implementation=foreach, or auto)") from e
+        raise ConfigError(unavailable(cfg, device or torch.device("cpu"), e)) from e
+
+
+def unavailable(cfg: OptimConfig, device: torch.device, error: RuntimeError) -> str:
+    """The refusal of a kernel torch lacks here: the value given (and what auto chose), and only
+    the choices that run another kernel (auto chose the failing one: offering it again was untrue)."""
+    ran = resolved_implementation(cfg, device)
+    given = repr(cfg.implementation) + (f" (here: {ran})" if cfg.implementation == "auto" else "")
+    others = [f"optim.implementation={name}" for name in ("foreach", "for-loop") if name != ran]
+    return f"optim.implementation={given} is not available here: {error} (try {' or '.join(others)})"
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch._inductor.utils
 from rank_helpers import write_rows_dataset
 from train_helpers import CHEAP, refusal, run_train
 
@@ -24,6 +26,7 @@ from jobs.prepare import prepare
 from orchestrator.config import (
     CausalLmTaskConfig,
     CheckpointConfig,
+    ConfigError,
     DataConfig,
     GptConfig,
     LoggerConfig,
@@ -35,7 +38,7 @@ from orchestrator.config import (
     TrainConfig,
     TransformerConfig,
 )
-from orchestrator.training import compiling, runtime, trainer
+from orchestrator.training import compiling, runtime, step, trainer
 
 LINE = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs\n"
 
@@ -103,16 +106,27 @@ def test_checkpoints_resume_from_compiled_to_eager_and_back_exactly(
         assert resumed["param_checksum_per_rank"] == straight["param_checksum_per_rank"]
 
 
-def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(rank: runtime.Runtime,
-                                                                         data: trainer.DataPaths,
-                                                                         tmp_path: Path) -> None:
-    """inductor: the one real code-generating compile of this file (tens of seconds on CPU)."""
+def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(
+        rank: runtime.Runtime, data: trainer.DataPaths, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """inductor: the one real code-generating compile of this file (tens of seconds on CPU). The
+    resume stands for a requeue on another node: an empty inductor cache and no kernel in memory.
+    torch's artifacts hold inductor's C++ source, not the built kernels: until the file carried
+    them, that resume built every kernel again with the compiler."""
     run = tmp_path / "run"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "node1"))
     first = train(rank, data, run, config(data, backend="inductor", steps=2))
     assert first["compile"]["cache"] == "published"
     [cache] = (run / compiling.CACHE_DIR).iterdir()
+    node2 = tmp_path / "node2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node2))
+    torch._inductor.utils.clear_caches()  # the kernels this process loaded, as a new process
     resumed = train(rank, data, run, config(data, backend="inductor", steps=3))
     assert resumed["compile"]["cache"] == "loaded" and resumed["compile"]["warnings"] == []
+    header = json.loads(cache.read_bytes().split(b"\n", 2)[1])
+    carried = {name for name, _ in header.get("kernels", [])}
+    assert compiling.binaries(node2) - carried == set()  # built none: each came in the file
+    assert any(name.endswith(".so") for name in carried)
 
     good = cache.read_bytes()
     cache.write_bytes(good.replace(torch.__version__.encode(), b"0.0.1", 1))
@@ -121,9 +135,31 @@ def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(rank: r
         f"ignored the compile cache {cache}: written by torch 0.0.1, this is torch {torch.__version__}; "
         f"compiling from scratch"]
     assert other["compile"]["cache"] == "published"  # rank 0 replaced it with its own
-    cache.write_bytes(good[:-10] + b"0123456789")
+    cache.write_bytes(good[:-10] + b"0123456789")  # the last kernel's tail
     damaged = train(rank, data, run, config(data, backend="inductor", steps=5))
     assert "its checksum does not match (damaged)" in damaged["compile"]["warnings"][0]
+
+
+@pytest.mark.parametrize(("kernels", "why"), [
+    ([["../../evil.so", 3]], "a kernel named '../../evil.so'"),
+    ([["ab/cabc.so", 2]], "the kernels' sizes do not add up to the file's"),
+    ([], "the kernels' sizes do not add up to the file's"),
+], ids=["outside-the-code-cache", "short", "undeclared-bytes"])
+def test_a_cache_whose_kernels_do_not_fit_its_header_is_ignored_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: list[list[Any]], why: str) -> None:
+    """A checksum only says the file is as its writer left it: the kernel names and sizes are
+    still checked before a byte lands in the node's code cache."""
+    node = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node))
+    payload = b"torch" + b"so!"
+    header = {"torch": torch.__version__, "bytes": len(payload), "artifacts": 5, "kernels": kernels,
+              "xxh3": compiling.xxhash.xxh3_64_hexdigest(payload)}
+    path = tmp_path / "run" / "cache.bin"
+    path.parent.mkdir()
+    path.write_bytes(compiling.MAGIC + json.dumps(header).encode() + b"\n" + payload)
+    assert compiling.load_cache(path) == (
+        False, f"ignored the compile cache {path}: unreadable ({why}); compiling from scratch")
+    assert not (tmp_path / "evil.so").exists() and compiling.binaries(node) == set()
 
 
 class Rows(torch.nn.Module):
@@ -131,10 +167,23 @@ class Rows(torch.nn.Module):
         return x * 2
 
 
-def test_recompiles_past_the_limit_fail_naming_the_guard(rank: runtime.Runtime, data: trainer.DataPaths,
-                                                         tmp_path: Path) -> None:
+@pytest.fixture
+def torch_logs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str | None]:
+    """The user's ``TORCH_LOGS``, as torch reads it when a process starts; torch's default after."""
+    if request.param is not None:
+        monkeypatch.setenv("TORCH_LOGS", request.param)
+    torch._logging._internal._init_logs()
+    yield request.param
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    torch._logging._internal._init_logs()
+
+
+@pytest.mark.parametrize("torch_logs", [None, "graph_breaks"], indirect=True, ids=["unset", "other-logs"])
+def test_recompiles_past_the_limit_fail_naming_the_guard(torch_logs: str | None) -> None:
     """A block called with a new shape every time, dynamic shapes off: one compile per shape, and
-    the limit's failure names the guard that failed instead of torch's bare message."""
+    the limit's failure names the guard that failed instead of torch's bare message. With the
+    user's TORCH_LOGS naming other logs, torch wrote no recompile record: none was counted and
+    the failure named no guard."""
     model = Rows()
     torch._dynamo.reset()
     compiling.compile_in_place(model, compiling.CompileSpec(enabled=True, backend="eager", dynamic=False), [])
@@ -145,6 +194,8 @@ def test_recompiles_past_the_limit_fail_naming_the_guard(rank: runtime.Runtime, 
     assert recompiles.count >= 1
     assert "past model.compile_recompile_limit=2" in str(failed.value)
     assert "size mismatch at index 0" in str(failed.value)  # torch's own words for the guard
+    if torch_logs:  # the user's own choice stays on
+        assert torch._logging._internal.log_state.is_artifact_enabled(torch_logs)
 
 
 def test_an_optimizer_implementation_is_recorded_and_a_resume_may_change_it(
@@ -160,6 +211,30 @@ def test_an_optimizer_implementation_is_recorded_and_a_resume_may_change_it(
     straight = train(rank, data, tmp_path / "straight", config(data, compile=False, steps=4))
     assert straight["optim_implementation"] == "foreach"  # auto on a CPU
     assert math.isclose(resumed["final_train_loss"], straight["final_train_loss"], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize(("implementation", "device", "refusal"), [
+    ("auto", "cuda", "optim.implementation='auto' (here: fused) is not available here: no fused kernel "
+                     "(try optim.implementation=foreach or optim.implementation=for-loop)"),
+    ("fused", "cpu", "optim.implementation='fused' is not available here: no fused kernel "
+                     "(try optim.implementation=foreach or optim.implementation=for-loop)"),
+])
+def test_a_fused_kernel_torch_lacks_is_refused_naming_the_value_and_the_other_choices(
+        monkeypatch: pytest.MonkeyPatch, implementation: str, device: str, refusal: str) -> None:
+    """A torch whose optimizer refuses ``fused=True`` on the device (a mocked CUDA build): auto
+    had chosen fused, yet the refusal offered "or auto", the value that failed."""
+    real = torch.optim.AdamW
+
+    def without_fused(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        if kwargs.get("fused"):
+            raise RuntimeError("no fused kernel")
+        return real(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", without_fused)
+    with pytest.raises(ConfigError) as refused:
+        step.build_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimConfig(implementation=implementation),
+                             torch.device(device))
+    assert str(refused.value) == refusal
 
 
 def test_compile_with_auto_microbatch_and_a_bad_mode_are_refused_before_submission() -> None:
