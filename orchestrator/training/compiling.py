@@ -190,10 +190,10 @@ def cache_path(cfg: TrainConfig, run_dir: Path) -> Path:
 KERNEL_NAME = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9]+)*\.(so|o)")
 
 
-def binaries(root: Path) -> set[str]:
-    """The built files (``.so``, ``.o``) in inductor's code cache ``root``, as ``xx/<hash>.so``."""
-    return {f"{p.parent.name}/{p.name}" for p in root.glob("??/*") if KERNEL_NAME.fullmatch(
-        f"{p.parent.name}/{p.name}")}
+def binaries(root: Path, pattern: str = "??/*") -> set[str]:
+    """The built files (``.so``, ``.o``) in inductor's code cache ``root`` that ``pattern``
+    matches, as ``xx/<hash>.so``."""
+    return {name for p in root.glob(pattern) if KERNEL_NAME.fullmatch(name := f"{p.parent.name}/{p.name}")}
 
 
 def _loaded_kernels(root: Path) -> set[str]:
@@ -207,12 +207,7 @@ def _loaded_kernels(root: Path) -> set[str]:
         cls = classes.pop()
         classes.extend(cls.__subclasses__())
         keys.update(cls.__dict__.get("cache", {}))
-    return {name for key in keys for name in _binaries_of(root, key)}
-
-
-def _binaries_of(root: Path, key: str) -> set[str]:
-    return {f"{key[1:3]}/{p.name}" for p in (root / key[1:3]).glob(f"{key}*")
-            if KERNEL_NAME.fullmatch(f"{key[1:3]}/{p.name}")}
+    return {name for key in keys for name in binaries(root, f"{key[1:3]}/{key}*")}
 
 
 def inductor_dir() -> Path:
@@ -265,12 +260,10 @@ def _split(header: dict[str, Any], payload: bytes) -> tuple[bytes, list[tuple[st
     return payload[:artifacts_end], kernels
 
 
-def _unpack(kernels: list[tuple[str, bytes]]) -> int:
+def _unpack(kernels: list[tuple[str, bytes]]) -> None:
     """Each kernel into this node's code cache unless there already: written to a temp name and
-    renamed, so the node's ranks, unpacking at once, never see a half-written library. Returns
-    how many were written."""
+    renamed, so the node's ranks, unpacking at once, never see a half-written library."""
     root = inductor_dir()
-    written = 0
     for name, blob in kernels:
         target = root / name
         if target.exists():
@@ -278,8 +271,6 @@ def _unpack(kernels: list[tuple[str, bytes]]) -> int:
         with atomic.atomic_write(target, binary=True, durable=False) as f:
             f.write(blob)
             os.fchmod(f.fileno(), 0o755)  # as the compiler leaves a library
-        written += 1
-    return written
 
 
 def load_cache(path: Path) -> tuple[bool, str | None]:

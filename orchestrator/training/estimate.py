@@ -447,8 +447,9 @@ def check_memory(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
     if not capacity.is_gpu and fraction > 1.0:  # a CPU run: only a step above all of it is refused
         raise ConfigError(f"memory: the estimated peak is {gib(found.peak)} per rank, more than the "
                           f"{gib(capacity.bytes)} of {capacity.name}: the first step would run out of "
-                          f"memory, so nothing was queued (try a smaller data.batch_size="
-                          f"{cfg.data.batch_size} or model, or memory.estimate=warn to submit anyway)")
+                          f"memory, so nothing was queued (try a data.batch_size below "
+                          f"{cfg.data.batch_size} or a smaller model, or memory.estimate=warn to submit "
+                          f"anyway)")
     return report
 
 

@@ -321,3 +321,11 @@ def test_jobs_prepare_itself_exits_2_with_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     line = assert_one_error_line(proc.returncode, proc.stdout, proc.stderr)
     assert line.startswith("jobs.prepare: error: the override 'input=${' cannot be parsed")
+
+
+def test_a_batch_beyond_the_hosts_memory_is_refused_by_the_memory_estimate(tmp_path: Path) -> None:
+    """It was a MemoryError traceback: the estimate built the batch as a real tensor. Now the
+    estimate's batch is fake, and a CPU step above all of the host's memory per rank is refused."""
+    line = train_error(tmp_path, "data.batch_size=100000000000")
+    assert line.startswith("error: memory: the estimated peak is ") and "data.batch_size below 100000000000" \
+        in line, line
