@@ -303,6 +303,9 @@ class ClusterConfig:
     rendezvous_timeout_s: float = ranged(180.0, WITHIN_A_YEAR)  # ranks wait this long for rank 0
     # A collective that waits longer fails instead of hanging.
     collective_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
+    # ... except until the first step has ended: the ranks' imports, model build, compile warm-up
+    # and checkpoint load differ by more than a step does. The larger of the two applies then.
+    init_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # slurm: the code the job runs
     container: ContainerConfig = field(default_factory=ContainerConfig)  # slurm: the image the ranks run in
 

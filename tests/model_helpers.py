@@ -148,3 +148,16 @@ class TakesInputIds(torch.nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.embed(input_ids)
+
+
+class SlowToBuildOnRank1(RowPoolingMLP):
+    """Rank 1 builds it ``SLOW_BUILD_S`` late, as a rank whose imports or checkpoint load lag
+    (a shared file system): its rank 0 waits that long in DDP's first broadcast."""
+
+    SLOW_BUILD_S = 8.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            import time
+            time.sleep(self.SLOW_BUILD_S)
+        super().__init__(*args, **kwargs)

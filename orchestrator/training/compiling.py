@@ -11,10 +11,11 @@ artifacts kept in the run directory so that a resume or a requeue does not compi
   and backward on a real full-size batch right after the model is built (it replaces ddp's
   bucket-settling zero step). Every rank compiles the same graphs at the same time; a collective
   inside the warm-up (ddp's all-reduce, fsdp's all-gathers) waits only for the ranks' difference
-  in compile time, not for the compile, and must stay within ``cluster.collective_timeout_s``
-  (600 s by default): raise it when one rank may compile much longer than another (a cold cache
-  on one node, a warm one on the other). The phase is ``compile`` in ``summary.json``'s
-  ``startup_s`` and in the start-up line. The eval graphs compile at the first evaluation.
+  in compile time, not for the compile, and must stay within ``cluster.init_timeout_s`` (the
+  timeout before the first step has ended, 600 s by default): raise it when one rank may compile
+  much longer than another (a cold cache on one node, a warm one on the other). The phase is
+  ``compile`` in ``summary.json``'s ``startup_s`` and in the start-up line. The eval graphs
+  compile at the first evaluation.
 - Recompiles are counted (torch's ``recompiles`` log is turned on beside the user's
   ``TORCH_LOGS``: each one's failed guard on the rank's stderr); past
   ``model.compile_recompile_limit`` for one block the run fails, naming the last guard.

@@ -8,6 +8,7 @@ from one process and in practice leaves GPU 0 doing the work.
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import warnings
@@ -56,8 +57,24 @@ def start(env: DistEnv, parallelism: ParallelismConfig, cluster: ClusterConfig,
     backend = rendezvous.init_process_group(
         env, rdzv_dir, backend=parallelism.backend, device=device,
         rendezvous_timeout_s=cluster.rendezvous_timeout_s,
-        collective_timeout_s=cluster.collective_timeout_s)
+        collective_timeout_s=startup_timeout_s(cluster))
     return Runtime(env=env, device=device, backend=backend, nccl_log=nccl_log)
+
+
+def startup_timeout_s(cluster: ClusterConfig) -> float:
+    """What a collective may wait before the first step has ended. The ranks reach their first
+    collectives apart by their imports (a shared file system's import storm), DDP's import of
+    ``torch._dynamo``, a compile warm-up and a checkpoint's load; a short ``collective_timeout_s``,
+    set to name a hang quickly, would fail a healthy start (as torchtitan's init and train
+    timeouts keep apart)."""
+    return max(cluster.init_timeout_s, cluster.collective_timeout_s)
+
+
+def start_training_timeout(cluster: ClusterConfig) -> None:
+    """After the first step: every later collective waits ``cluster.collective_timeout_s``. A
+    per-rank setting of the default group's backends (gloo's and NCCL's watchdog), no collective."""
+    if dist.is_initialized() and startup_timeout_s(cluster) != cluster.collective_timeout_s:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cluster.collective_timeout_s))
 
 
 BF16_CAPABILITY = (8, 0)  # the CUDA compute capability from which a GPU computes in bf16 (A100 on)

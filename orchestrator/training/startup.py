@@ -28,9 +28,12 @@ class Clock:
         self.process_start = psutil.Process().create_time()  # wall time, as the kernel recorded it
         self.marks: dict[str, float] = {}  # phase -> wall time it ended
 
-    def mark(self, phase: str) -> None:
-        if phase not in self.marks:  # a phase ends once; a resumed loop does not move it
-            self.marks[phase] = time.time()
+    def mark(self, phase: str) -> bool:
+        """True where this call ended the phase: a phase ends once; a resumed loop does not move it."""
+        if phase in self.marks:
+            return False
+        self.marks[phase] = time.time()
+        return True
 
     def startup_s(self) -> dict[str, float]:
         """Seconds per phase from the process's start to the end of its first step, and the total."""

@@ -329,7 +329,8 @@ class Trainer:
             while self.step < cfg.optim.max_steps:
                 logs = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == cfg.optim.max_steps
                 window.add(self.optimizer_step(stream, want_norm=logs))
-                self.clock.mark("first_step")  # a dict lookup after the first
+                if self.clock.mark("first_step"):  # a dict lookup after the first
+                    runtime.start_training_timeout(cfg.cluster)
                 self.log_micro_batch_changes(log)
                 last = self.step == cfg.optim.max_steps
                 if logs:

@@ -206,7 +206,10 @@ def test_a_frozen_rank_under_torchrun_is_named(tmp_path: Path) -> None:
                 record = json.loads((beats / "rank-1.json").read_text())
                 frozen = int(record["pid"]) if record["step"] >= 3 else None
             time.sleep(0.2)
-        assert frozen is not None, f"rank 1 never trained (exit {proc.poll()})"
+        if frozen is None:
+            proc.kill()
+            err = proc.communicate()[1]
+            raise AssertionError(f"rank 1 never trained (exit {proc.poll()}):\n{err[-4000:]}")
         waiting = psutil.Process(json.loads((beats / "rank-0.json").read_text())["pid"])
         os.kill(frozen, signal.SIGSTOP)
         waiting.wait(timeout=180)  # rank 0 times out in its collective and exits

@@ -11,8 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from train_helpers import CHEAP
+
 from orchestrator.launch import local_jobs
 from orchestrator.launch.heartbeat import Beat, Heartbeat, read_beats, verdict
+
+TESTS = str(Path(__file__).resolve().parents[2])  # model_helpers, for the ranks
 
 
 def beat(rank: int, at: float, step: int = 10, phase: str = "compute") -> Beat:
@@ -75,6 +79,23 @@ def test_a_frozen_rank_is_named_and_the_failure_reads_as_a_failure(tmp_path: Pat
     assert culprit.startswith("rank 1 ") and f"pid {frozen}" in culprit, report
     assert "ranks [0] were stopped after rank 1" in report
     assert "KeyboardInterrupt" not in err and "INTERRUPTED" not in err
+
+
+def test_a_rank_late_to_its_first_step_is_not_a_hang(tmp_path: Path) -> None:
+    """Before: one collective timeout for the whole run, so a timeout short enough to name a hang
+    quickly failed a healthy start whose ranks reached DDP's first broadcast apart (imports on a
+    shared file system, a checkpoint's load). Until the first step ends they wait
+    ``cluster.init_timeout_s``; after it, a frozen rank is still named within the short timeout
+    (the test above)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "optim.max_steps=3", "data.demo_num_samples=512",
+         "data.batch_size=16", *CHEAP, "cluster.collective_timeout_s=2", "model=custom",
+         "model._target_=model_helpers.SlowToBuildOnRank1", f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
 
 
 def _pid_once_training(path: Path, proc: subprocess.Popen[str]) -> int:
