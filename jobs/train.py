@@ -150,7 +150,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     paths, memory = check_before_submit(cfg, run_dir)
     code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code,
-                                    container_paths(cfg, paths, run_dir))
+                                    container_paths(cfg, paths, run_dir), rank_process.rank_modules(cfg))
     if cfg.cluster.dry_run:
         if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
             print(f"{memory.table()}\n")

@@ -134,6 +134,7 @@ def _is_float_field(hint: Any) -> bool:
 # parallelism and cluster
 
 MODES = ("debug", "local", "slurm")
+RANK_STARTS = ("auto", "fork", "spawn")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "fsdp")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -303,6 +304,10 @@ class ClusterConfig:
     rendezvous_timeout_s: float = ranged(180.0, WITHIN_A_YEAR)  # ranks wait this long for rank 0
     # A collective that waits longer fails instead of hanging.
     collective_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
+    # How a local job's ranks start. fork: one process imports what every rank needs, then forks
+    # them (orchestrator/launch/fork_start.py); spawn: each rank is a new interpreter that imports
+    # it all again. auto: fork for cluster=local, spawn where srun starts the ranks (SLURM).
+    rank_start: str = "auto"
     # ... except until the first step has ended: the ranks' imports, model build, compile warm-up
     # and checkpoint load differ by more than a step does. The larger of the two applies then.
     init_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
@@ -313,6 +318,14 @@ class ClusterConfig:
         check_floats(self, "cluster.")
         if self.mode not in MODES:
             raise invalid("cluster.mode", self.mode, f"choose one of {MODES}", "cluster=local")
+        if self.rank_start not in RANK_STARTS:
+            raise invalid("cluster.rank_start", self.rank_start, f"choose one of {RANK_STARTS}",
+                          "cluster.rank_start=auto")
+        if self.rank_start == "fork" and self.mode != "local":
+            raise invalid("cluster.rank_start", "fork", f"forked ranks are built for cluster=local only; "
+                          f"with cluster={self.mode} " + ("srun starts each rank" if self.mode == "slurm"
+                                                          else "the job runs in this process"),
+                          "cluster.rank_start=auto")
         for key in ("job_name", "partition", "account", "qos", "exclude"):
             _check_sbatch_value(f"cluster.{key}", getattr(self, key), _SBATCH_SAFE)
         _check_sbatch_value("cluster.constraint", self.constraint, _CONSTRAINT_SAFE)

@@ -113,3 +113,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.fixturenames[:0] = ["slurm_cluster", "cluster_held"]  # type: ignore[attr-defined]
         item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: not queues_jobs(item))  # stable: in order otherwise
+
+
+# SWITCHYARD_TEST_CPU=FILE: one JSON line per test phase with the CPU seconds it cost, its own and
+# its waited-for processes' (a jobs.train and the local ranks it waited for), beside its wall time.
+# The suite is bound by CPU on two cores, so this, not --durations, says which tests to make
+# cheaper (docs/development.md). SLURM jobs run under slurmd and are not in it.
+_CPU_LEDGER = os.environ.get("SWITCHYARD_TEST_CPU")
+
+
+def _cpu_s() -> float:
+    import resource
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if not _CPU_LEDGER:
+        yield
+        return
+    import json
+    import time
+    cpu, wall = _cpu_s(), time.monotonic()
+    yield
+    with open(_CPU_LEDGER, "a") as ledger:
+        ledger.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_s() - cpu, 2),
+                                 "wall_s": round(time.monotonic() - wall, 2)}) + "\n")

@@ -24,6 +24,7 @@ it sees every task exit and returns. Only psutil here: ``switchyard cancel`` sta
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -34,19 +35,40 @@ from pathlib import Path
 import psutil
 
 KILL_WAIT_S = 30.0  # SLURM's default KillWait: SIGTERM to SIGKILL
-CONTROLLER = "submitit.local._local"  # in the command line of submitit's local controller
+# In the command line of submitit's local controller, and of Switchyard's, which forks the ranks
+# (orchestrator/launch/fork_start.py): a forked rank's command line is its controller's.
+CONTROLLERS = ("submitit.local._local", "orchestrator.launch.fork_start")
+
+
+def is_controller(process: psutil.Process) -> bool:
+    command = " ".join(process.cmdline())
+    return any(name in command for name in CONTROLLERS)
 
 
 def controller(pid: int) -> psutil.Process | None:
-    """The live submitit controller with this pid, or None: it has exited, and the pid may
+    """The live local-job controller with this pid, or None: it has exited, and the pid may
     since belong to an unrelated process, which is never signalled."""
     try:
         process = psutil.Process(pid)
-        if CONTROLLER in " ".join(process.cmdline()):
+        if is_controller(process):
             return process
     except psutil.Error:
         pass
     return None
+
+
+def forked_ranks_file(folder: Path, controller_pid: int) -> Path:
+    """Where a forking controller lists its ranks' pids by local id (written at each start): a
+    forked rank's command line and environment are its controller's, so nothing else tells them."""
+    return folder / f"{controller_pid}_forked_ranks.json"
+
+
+def _forked(process: psutil.Process) -> dict[int, int]:
+    """pid -> local id of the ranks ``process`` forked; {} for submitit's controller."""
+    with contextlib.suppress(psutil.Error, OSError, ValueError, IndexError):
+        listed = json.loads(forked_ranks_file(Path(process.cmdline()[-1]), process.pid).read_text())
+        return {int(pid): int(local) for pid, local in listed.items()}
+    return {}
 
 
 def _descendants(process: psutil.Process) -> list[psutil.Process]:
@@ -63,14 +85,18 @@ def ranks(pid: int) -> dict[int, psutil.Process]:
     found: dict[int, psutil.Process] = {}
     if process is None:
         return found
+    forked = _forked(process)
     with contextlib.suppress(psutil.Error):
         for child in process.children(recursive=True):
             with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                if child.pid in forked:
+                    found[forked[child.pid]] = child
+                    continue
                 parent = child.parent()
-                if parent is None or CONTROLLER not in " ".join(parent.cmdline()):
+                if parent is None or not is_controller(parent):
                     continue  # started by a rank, not by the controller
-                if CONTROLLER in " ".join(child.cmdline()):
-                    continue  # the controller itself, under a setup shell
+                if is_controller(child):
+                    continue  # the controller itself under a setup shell, or a rank not yet listed
                 found[int(child.environ()["SUBMITIT_LOCAL_LOCALID"])] = child
     return found
 

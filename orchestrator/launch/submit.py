@@ -90,14 +90,23 @@ class SubmissionError(ConfigError):
 
 def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
                   folder: Path, code: snapshot.Snapshot | None = None,
-                  paths: Sequence[tuple[str, str | Path | None]] = ()) -> submitit.Executor:
+                  paths: Sequence[tuple[str, str | Path | None]] = (),
+                  rank_modules: Sequence[str] = ()) -> submitit.Executor:
     """The executor for ``cluster.mode``; one task per GPU, or per process on CPU. On SLURM, with
     ``code``, every rank imports from that snapshot (``snapshot.setup_lines``). ``paths``: (config
-    key, path) the ranks read or write, mounted into ``cluster.container``'s image."""
+    key, path) the ranks read or write, mounted into ``cluster.container``'s image.
+    ``rank_modules``: what every rank imports before its first step; a local job's controller
+    imports them once and forks its ranks (``fork_start``) unless ``cluster.rank_start=spawn``."""
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
-        return new_executor("local", local_parameters(cluster, parallelism), folder)
+        params = local_parameters(cluster, parallelism)
+        if rank_modules and cluster.rank_start != "spawn":
+            from orchestrator.launch.fork_start import ForkingLocalExecutor
+            forking = ForkingLocalExecutor(folder, rank_modules)
+            forking.update_parameters(**params)
+            return forking
+        return new_executor("local", params, folder)
     check_log_folder(folder)
     params = slurm_parameters(cluster, parallelism)
     if code is not None:

@@ -25,6 +25,15 @@ from orchestrator.training import memory_report, resume, runtime, startup
 from orchestrator.training.trainer import DataPaths, Trainer
 
 
+def rank_modules(cfg: TrainConfig) -> tuple[str, ...]:
+    """What a rank imports before its first step, for a local job's controller to import once and
+    fork its ranks from (``orchestrator.launch.fork_start``): this module and the trainer, the
+    ``torch._dynamo`` DDP's constructor imports, and fsdp's stack where the run shards."""
+    fsdp = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint") \
+        if cfg.parallelism.strategy == "fsdp" else ()
+    return (__name__, "torch._dynamo", *fsdp)
+
+
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:
     """One rank's run, start to summary.
 

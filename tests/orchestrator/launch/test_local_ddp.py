@@ -1,4 +1,6 @@
-"""Real multi-process DDP through submitit's local executor: the no-cluster path."""
+"""Real multi-process DDP through submitit's local executor: the no-cluster path. The ranks start
+both ways a local job may start them (``cluster.rank_start``): forked from a controller that
+imported once (``orchestrator.launch.fork_start``), and as new interpreters."""
 
 from __future__ import annotations
 
@@ -12,10 +14,19 @@ from jobs import smoke
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import submit
 
+STARTS = {"forked": ("jobs.smoke",), "started": ()}  # make_executor's rank_modules for each
 
-def test_local_mode_runs_every_rank(tmp_path: Path) -> None:
+
+@pytest.fixture(params=sorted(STARTS))
+def rank_modules(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return STARTS[request.param]
+
+
+def test_local_mode_runs_every_rank(tmp_path: Path,
+        rank_modules: tuple[str, ...]) -> None:
     executor = submit.make_executor(ClusterConfig(mode="local"),
-                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs")
+                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs",
+                                    rank_modules=rank_modules)
     results = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
     assert sorted(r["rank"] for r in results) == [0, 1, 2]
     assert all(r["reduced"] == 6.0 and r["backend"] == "gloo" for r in results)
@@ -28,11 +39,13 @@ def test_debug_mode_runs_in_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("sigint", ["default", "ignored"])
-def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path, sigint: str) -> None:
+def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path, sigint: str,
+        rank_modules: tuple[str, ...]) -> None:
     """Also when started with SIGINT ignored, as a shell's background job or CI runner is: then
     submitit's own cancel (a SIGINT to its controller) does nothing."""
     executor = submit.make_executor(ClusterConfig(mode="local"),
-                                    ParallelismConfig(procs_per_node=2), tmp_path / "jobs")
+                                    ParallelismConfig(procs_per_node=2), tmp_path / "jobs",
+                                    rank_modules=rank_modules)
     start = time.monotonic()
     disposition = signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler
     previous = signal.signal(signal.SIGINT, disposition)
@@ -50,10 +63,12 @@ def test_local_failure_names_the_rank_and_stops_the_others_fast(tmp_path: Path, 
     assert "deliberate failure on rank 1" in str(info.value)
 
 
-def test_a_local_rank_killed_by_a_signal_is_named_and_the_others_stopped(tmp_path: Path) -> None:
+def test_a_local_rank_killed_by_a_signal_is_named_and_the_others_stopped(tmp_path: Path,
+        rank_modules: tuple[str, ...]) -> None:
     """SIGKILL (the OOM killer) leaves no result and raises nothing: the rank is seen gone."""
     executor = submit.make_executor(ClusterConfig(mode="local"),
-                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs")
+                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs",
+                                    rank_modules=rank_modules)
     start = time.monotonic()
     job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), kill_rank=2,
                         rendezvous_timeout_s=300)
@@ -67,11 +82,13 @@ def test_a_local_rank_killed_by_a_signal_is_named_and_the_others_stopped(tmp_pat
     assert "ranks [0, 1] were stopped after rank 2 failed" in message
 
 
-def test_a_local_rank_that_dies_before_any_poll_sees_it_is_still_caught(tmp_path: Path) -> None:
+def test_a_local_rank_that_dies_before_any_poll_sees_it_is_still_caught(tmp_path: Path,
+        rank_modules: tuple[str, ...]) -> None:
     """Polling every 5 s, rank 2 (killed about a second after it starts) is usually gone before
     the first poll that finds its peers: it is then missing, not dead, and must count as dead."""
     executor = submit.make_executor(ClusterConfig(mode="local"),
-                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs")
+                                    ParallelismConfig(procs_per_node=3), tmp_path / "jobs",
+                                    rank_modules=rank_modules)
     start = time.monotonic()
     job = submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv"), kill_rank=2,
                         rendezvous_timeout_s=300)
@@ -84,10 +101,12 @@ PRINT_THEN_DIE = ("import os, signal; print('step 7: loss 0.51', flush=True); "
                   "os.kill(os.getpid(), signal.SIGKILL)")
 
 
-def test_a_killed_rank_shows_the_tail_of_its_stdout_too(tmp_path: Path) -> None:
+def test_a_killed_rank_shows_the_tail_of_its_stdout_too(tmp_path: Path,
+        rank_modules: tuple[str, ...]) -> None:
     """Its last words were on stdout and the report read stderr alone: "(empty)"."""
     executor = submit.make_executor(ClusterConfig(mode="local"),
-                                    ParallelismConfig(procs_per_node=1), tmp_path / "jobs")
+                                    ParallelismConfig(procs_per_node=1), tmp_path / "jobs",
+                                    rank_modules=rank_modules)
     job = submit.submit(executor, exec, PRINT_THEN_DIE)
     with pytest.raises(submit.JobFailedError) as info:
         submit.results(job)

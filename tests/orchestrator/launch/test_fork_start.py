@@ -1,0 +1,115 @@
+"""Forked ranks (``cluster.rank_start``): a local job's controller imports once and forks its ranks.
+
+What the forked ranks must keep from started ones is tested where it is tested for both starts:
+failure naming in ``test_local_ddp.py`` (both starts), the frozen rank in ``test_heartbeat.py``,
+SIGTERM's checkpoint in ``tests/jobs/test_fsdp.py`` (forked, the default for ``cluster=local``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from train_helpers import CHEAP, run_train
+
+from jobs import smoke
+from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
+from orchestrator.launch import local_jobs, submit
+from orchestrator.launch.fork_start import ForkingLocalExecutor
+
+FORKED_LINE = "switchyard: rank process forked from the job's controller"
+
+
+def logs(run_dir: Path, suffix: str = "out") -> str:
+    return "".join(p.read_text() for p in sorted((run_dir / "submitit").glob(f"*_log.{suffix}")))
+
+
+def test_forked_ranks_train_exactly_as_started_ranks(tmp_path: Path) -> None:
+    """Same losses to the last bit, eval included: the ranks seed after the fork, as before."""
+    summaries = {}
+    for start in ("fork", "spawn"):
+        run_dir = tmp_path / start
+        done = run_train("optim.max_steps=6", "data.demo_num_samples=512", "data.batch_size=16",
+                         "eval_every_steps=3", *CHEAP, f"cluster.rank_start={start}",
+                         run_dir=run_dir, cache_dir=tmp_path / "cache")
+        assert done.returncode == 0, done.stderr[-3000:]
+        summaries[start] = json.loads((run_dir / "summary.json").read_text())
+        assert (FORKED_LINE in logs(run_dir)) == (start == "fork")
+        assert (any(run_dir.glob("submitit/*_forked_ranks.json"))) == (start == "fork")
+    for key in ("final_train_loss", "final_eval_loss", "samples_per_rank", "eval_samples_counted"):
+        assert summaries["fork"][key] == summaries["spawn"][key], key
+
+
+def test_an_import_that_starts_a_thread_starts_the_ranks_as_new_processes(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A thread at the fork would be missing in every child, with whatever lock it held: no fork,
+    the controller says why and starts the ranks as submitit does."""
+    (tmp_path / "threads_at_import.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    try:
+        executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
+                                        tmp_path / "jobs", rank_modules=("threads_at_import",))
+        results = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
+    finally:
+        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+    assert sorted(r["reduced"] for r in results) == [3.0, 3.0]
+    assert "ranks start as new processes, not forked: an import started 1 thread(s)" in capfd.readouterr().err
+    assert FORKED_LINE not in "".join(p.read_text() for p in (tmp_path / "jobs").glob("*_log.out"))
+
+
+# A rank that says who it is, then waits to be looked at: exec is a builtin, so it pickles by name.
+WAIT_TO_BE_SEEN = """
+import os, time, pathlib
+folder = pathlib.Path(os.environ["SUBMITIT_FOLDER"])
+(folder / f"pid-{os.environ['SUBMITIT_LOCAL_LOCALID']}").write_text(str(os.getpid()))
+while not (folder / "seen").exists():
+    time.sleep(0.05)
+"""
+
+
+def test_forked_ranks_are_found_by_their_local_id(tmp_path: Path) -> None:
+    """A forked rank's command line and environment are its controller's: the controller's list
+    is what tells the fail-fast wait and ``switchyard run``'s rank ends which rank is which."""
+    folder = tmp_path / "jobs"
+    executor = ForkingLocalExecutor(folder, ["jobs.smoke"])
+    executor.update_parameters(tasks_per_node=2, nodes=1, timeout_min=5)
+    job = executor.submit(exec, WAIT_TO_BE_SEEN)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((folder / f"pid-{k}").exists() for k in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found = local_jobs.ranks(int(job.job_id))
+        assert {k: p.pid for k, p in found.items()} == {
+            k: int((folder / f"pid-{k}").read_text()) for k in (0, 1)}
+        assert all(p.ppid() == int(job.job_id) for p in found.values()), "forked by the controller"
+    finally:
+        (folder / "seen").touch()
+    job.wait()
+    assert job.done() and not any(t.exception() for t in job._sub_jobs)
+
+
+def test_fork_is_refused_where_srun_or_this_process_starts_the_ranks() -> None:
+    with pytest.raises(ConfigError, match=r"cluster.rank_start='fork' is invalid: forked ranks are built "
+                                          r"for cluster=local only; with cluster=slurm srun starts each "
+                                          r"rank \(try cluster.rank_start=auto\)"):
+        ClusterConfig(mode="slurm", rank_start="fork")
+    ClusterConfig(mode="slurm", rank_start="auto")  # auto: spawn there
+
+
+@pytest.mark.parametrize(("strategy", "fsdp_preloaded"), [("ddp", False), ("fsdp", True)])
+def test_the_controller_imports_what_the_strategy_needs(strategy: str, fsdp_preloaded: bool) -> None:
+    """DDP's constructor imports ``torch._dynamo``; fsdp's stack only where the run shards."""
+    from hydra import compose, initialize_config_module
+
+    from jobs.train import load_config
+    from orchestrator.training.rank_process import rank_modules
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = load_config(compose(config_name="train", overrides=[f"parallelism.strategy={strategy}"]))
+    modules = rank_modules(cfg)
+    assert "orchestrator.training.rank_process" in modules and "torch._dynamo" in modules
+    assert ("torch.distributed.fsdp" in modules) == fsdp_preloaded
