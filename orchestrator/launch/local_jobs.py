@@ -85,16 +85,18 @@ def ranks(pid: int) -> dict[int, psutil.Process]:
     found: dict[int, psutil.Process] = {}
     if process is None:
         return found
-    forked = _forked(process)
+    forked: dict[int, dict[int, int]] = {}  # a controller's pid -> the ranks it forked
     with contextlib.suppress(psutil.Error):
         for child in process.children(recursive=True):
             with contextlib.suppress(psutil.Error, KeyError, ValueError):
-                if child.pid in forked:
-                    found[forked[child.pid]] = child
-                    continue
                 parent = child.parent()
                 if parent is None or not is_controller(parent):
                     continue  # started by a rank, not by the controller
+                if parent.pid not in forked:  # the controller itself, or one under a setup shell
+                    forked[parent.pid] = _forked(parent)
+                if child.pid in forked[parent.pid]:
+                    found[forked[parent.pid][child.pid]] = child
+                    continue
                 if is_controller(child):
                     continue  # the controller itself under a setup shell, or a rank not yet listed
                 found[int(child.environ()["SUBMITIT_LOCAL_LOCALID"])] = child
