@@ -1,5 +1,6 @@
 """What each rank pays in imports today, and what one node would pay if a node launcher imported
-once and forked its ranks (issue 39; the launcher is not built: see docs/performance.md).
+once and forked its ranks (issue 39). ``cluster=local`` now does (``orchestrator/launch/fork_start.py``;
+``bench/fork_start_bench.py`` measures the real jobs); SLURM's node launcher is not built.
 
 A "rank" here is what a ``jobs.train`` rank imports before its first step (submitit's entry,
 ``jobs.train``, the rank process and trainer, and the ``torch._dynamo`` that DDP's constructor

@@ -27,13 +27,15 @@ def logs(run_dir: Path, suffix: str = "out") -> str:
     return "".join(p.read_text() for p in sorted((run_dir / "submitit").glob(f"*_log.{suffix}")))
 
 
-def test_forked_ranks_train_exactly_as_started_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_forked_ranks_train_exactly_as_started_ranks(tmp_path: Path, strategy: str) -> None:
     """Same losses to the last bit, eval included: the ranks seed after the fork, as before."""
     summaries = {}
     for start in ("fork", "spawn"):
         run_dir = tmp_path / start
         done = run_train("optim.max_steps=6", "data.demo_num_samples=512", "data.batch_size=16",
                          "eval_every_steps=3", *CHEAP, f"cluster.rank_start={start}",
+                         f"parallelism.strategy={strategy}",
                          run_dir=run_dir, cache_dir=tmp_path / "cache")
         assert done.returncode == 0, done.stderr[-3000:]
         summaries[start] = json.loads((run_dir / "summary.json").read_text())
