@@ -5,6 +5,7 @@ run; for ``memory.auto_microbatch``, one that runs out of memory above a batch s
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -158,6 +159,5 @@ class SlowToBuildOnRank1(RowPoolingMLP):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_initialized() and dist.get_rank() == 1:
-            import time
             time.sleep(self.SLOW_BUILD_S)
         super().__init__(*args, **kwargs)

@@ -100,13 +100,8 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
     if cluster.mode == "local":
-        params = local_parameters(cluster, parallelism)
-        if rank_modules and cluster.rank_start != "spawn":
-            from orchestrator.launch.fork_start import ForkingLocalExecutor
-            forking = ForkingLocalExecutor(folder, rank_modules)
-            forking.update_parameters(**params)
-            return forking
-        return new_executor("local", params, folder)
+        return new_executor("local", local_parameters(cluster, parallelism), folder,
+                            rank_modules=rank_modules if cluster.rank_start != "spawn" else ())
     check_log_folder(folder)
     params = slurm_parameters(cluster, parallelism)
     if code is not None:
@@ -136,12 +131,17 @@ def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
 
 
 def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeues: int = 0,
-                 array_parallelism: int | None = None) -> submitit.Executor:
+                 array_parallelism: int | None = None, rank_modules: Sequence[str] = ()) -> submitit.Executor:
     """A local or SLURM executor from its submitit parameters: the one factory behind single jobs
     (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
-    ``array_parallelism`` (SLURM only): at most this many tasks of one array at once."""
+    ``array_parallelism`` (SLURM only): at most this many tasks of one array at once.
+    ``rank_modules`` (local only): the controller imports them once and forks the ranks."""
     if mode == "local":
-        local = submitit.LocalExecutor(folder=folder)
+        if rank_modules:
+            from orchestrator.launch.fork_start import ForkingLocalExecutor
+            local: submitit.LocalExecutor = ForkingLocalExecutor(folder, rank_modules)
+        else:
+            local = submitit.LocalExecutor(folder=folder)
         local.update_parameters(**params)
         return local
     params = dict(params)  # "python": the command that runs the ranks' Python (a container's)

@@ -46,18 +46,16 @@ def test_forked_ranks_train_exactly_as_started_ranks(tmp_path: Path, strategy: s
 
 
 def test_an_import_that_starts_a_thread_starts_the_ranks_as_new_processes(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A thread at the fork would be missing in every child, with whatever lock it held: no fork,
     the controller says why and starts the ranks as submitit does."""
     (tmp_path / "threads_at_import.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    try:
-        executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
-                                        tmp_path / "jobs", rank_modules=("threads_at_import",))
-        results = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
-    finally:
-        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))  # for the controller
+    executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
+                                    tmp_path / "jobs", rank_modules=("threads_at_import",))
+    results = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
     assert sorted(r["reduced"] for r in results) == [3.0, 3.0]
     assert "ranks start as new processes, not forked: an import started 1 thread(s)" in capfd.readouterr().err
     assert FORKED_LINE not in "".join(p.read_text() for p in (tmp_path / "jobs").glob("*_log.out"))
