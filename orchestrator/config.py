@@ -304,15 +304,36 @@ class ClusterConfig:
     rendezvous_timeout_s: float = ranged(180.0, WITHIN_A_YEAR)  # ranks wait this long for rank 0
     # A collective that waits longer fails instead of hanging.
     collective_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
-    # How a local job's ranks start. fork: one process imports what every rank needs, then forks
-    # them (orchestrator/launch/fork_start.py); spawn: each rank is a new interpreter that imports
-    # it all again. auto: fork for cluster=local, spawn where srun starts the ranks (SLURM).
+    # How the ranks start. fork: one process per node imports what every rank needs, then forks
+    # them (orchestrator/launch/fork_start.py: a local job's controller; on SLURM, one srun task per
+    # node, orchestrator/launch/node_launcher.py); spawn: each rank is a new interpreter that imports
+    # it all again. auto: fork, except on SLURM with cluster.container or --gpus-per-task=1 in
+    # cluster.srun_args, where srun starts each rank (see forks_ranks).
     rank_start: str = "auto"
     # ... except until the first step has ended: the ranks' imports, model build, compile warm-up
     # and checkpoint load differ by more than a step does. The larger of the two applies then.
     init_timeout_s: float = ranged(600.0, WITHIN_A_YEAR)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # slurm: the code the job runs
     container: ContainerConfig = field(default_factory=ContainerConfig)  # slurm: the image the ranks run in
+
+    @property
+    def forks_ranks(self) -> bool:
+        """Whether one process per node imports once and forks the ranks (``rank_start`` resolved)."""
+        if self.rank_start == "auto":
+            return self._why_srun_starts_ranks() is None
+        return self.rank_start == "fork"
+
+    def _why_srun_starts_ranks(self) -> str | None:
+        """Why each rank must be its own process here, or None where forking is built and tested."""
+        if self.mode == "debug":
+            return "with cluster=debug: the job runs in this process"
+        if self.mode == "slurm" and self.container.runtime != "none":
+            return (f"with cluster.container.runtime={self.container.runtime}: the node launcher has "
+                    f"not been run inside a container yet, so srun starts each rank in the image")
+        if self.mode == "slurm" and any(arg in SRUN_BINDINGS for arg in self.srun_args):
+            return ("with --gpus-per-task=1 in cluster.srun_args: SLURM binds each task's own GPU, "
+                    "and one task per node would get one GPU")
+        return None
 
     def __post_init__(self) -> None:
         check_floats(self, "cluster.")
@@ -321,10 +342,8 @@ class ClusterConfig:
         if self.rank_start not in RANK_STARTS:
             raise invalid("cluster.rank_start", self.rank_start, f"choose one of {RANK_STARTS}",
                           "cluster.rank_start=auto")
-        if self.rank_start == "fork" and self.mode != "local":
-            raise invalid("cluster.rank_start", "fork", f"forked ranks are built for cluster=local only; "
-                          f"with cluster={self.mode} " + ("srun starts each rank" if self.mode == "slurm"
-                                                          else "the job runs in this process"),
+        if self.rank_start == "fork" and (why := self._why_srun_starts_ranks()):
+            raise invalid("cluster.rank_start", "fork", f"ranks cannot be forked {why}",
                           "cluster.rank_start=auto")
         for key in ("job_name", "partition", "account", "qos", "exclude"):
             _check_sbatch_value(f"cluster.{key}", getattr(self, key), _SBATCH_SAFE)

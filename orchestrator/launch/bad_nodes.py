@@ -26,10 +26,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# srun's report of a task that ended on its own. Not anchored at a line start: a progress bar's
-# last "\r" frame has no newline after it.
-SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): ([^\r\n]+)")
-SRUN_STOPPING = "_step_signal: Terminating"  # srun --kill-on-bad-exit stopping the others
+# srun's report of a task that ended on its own, or the node launcher's of a forked rank in srun's
+# words (orchestrator/launch/node_launcher.py). Not anchored at a line start: a progress bar's last
+# "\r" frame has no newline after it.
+TASK_ERROR = re.compile(r"(srun|switchyard launcher): error: (\S+): tasks? ([\d,-]+): ([^\r\n]+)")
+# With node launchers srun's tasks are the launchers, one per node: its task N is node N's ranks.
+LAUNCHER_STARTED = re.compile(r"switchyard launcher: node (\S+) \(task (\d+)\) runs ranks (\d+)-(\d+)")
+# srun --kill-on-bad-exit stopping the others, or a launcher its node's others: what follows is a consequence
+STOPPING = ("_step_signal: Terminating", "switchyard launcher: stopping")
 _EXITED = re.compile(r"^exited with exit code \d+$", re.IGNORECASE)
 _DEVICE_ERROR = re.compile(r"CUDA error(?!: device-side assert)|cudaError\w+|CUDA driver error|"
                            r"uncorrectable ECC|\bXid\b|NCCL error|unhandled cuda error|"
@@ -54,16 +58,36 @@ class BadNode:
 
 
 def srun_errors(batch_stderr: str) -> list[tuple[str, int, str]]:
-    """(node, rank, srun's reason) for each task srun saw end on its own, in srun's order, up to
-    the point where it starts stopping the others."""
-    found = []
-    for node, tasks, reason in SRUN_ERROR.findall(batch_stderr.split(SRUN_STOPPING, 1)[0]):
+    """(node, rank, srun's reason) for each rank srun (or a node launcher) saw end on its own, in
+    their order, up to the point where one of them starts stopping the others. srun's line for a
+    node launcher that said nothing itself (killed outright: its ranks died with it) names each of
+    that node's ranks."""
+    launchers = {int(task): (node, int(lo), int(hi))
+                 for node, task, lo, hi in LAUNCHER_STARTED.findall(batch_stderr)}
+    cut = min((i for marker in STOPPING if (i := batch_stderr.find(marker)) >= 0), default=None)
+    found: list[tuple[str, int, str]] = []
+    said: set[str] = set()  # nodes whose launcher reported a rank itself
+    for who, node, tasks, reason in TASK_ERROR.findall(batch_stderr[:cut]):
         if reason.strip() == "Terminated":
             continue
-        for part in tasks.split(","):
-            lo, _, hi = part.partition("-")
-            found += [(node, rank, reason.strip()) for rank in range(int(lo), int(hi or lo) + 1)]
+        for task in _task_ids(tasks):
+            if who == "srun" and launchers:
+                launcher_node, lo, hi = launchers.get(task, (node, task, task))
+                if launcher_node not in said:
+                    found += [(launcher_node, rank, reason.strip()) for rank in range(lo, hi + 1)]
+                continue
+            said.add(node)
+            found.append((node, task, reason.strip()))
     return found
+
+
+def _task_ids(tasks: str) -> list[int]:
+    """srun's ``0,2-3`` -> [0, 2, 3]."""
+    ids: list[int] = []
+    for part in tasks.split(","):
+        lo, _, hi = part.partition("-")
+        ids += range(int(lo), int(hi or lo) + 1)
+    return ids
 
 
 def from_logs(state: str, job_nodes: Sequence[str], batch_stderr: str,

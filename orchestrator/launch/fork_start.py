@@ -1,32 +1,29 @@
-"""Forked ranks: a local job's controller imports what every rank needs once, then forks its ranks.
+"""Forked ranks: one process per node imports what every rank needs once, then forks its ranks.
 
-``cluster=local`` runs submitit's local controller, which starts each rank as a fresh
-``python -u -m submitit.core._submit FOLDER``: every rank imports torch, Switchyard, the job's
-modules and the ``torch._dynamo`` that DDP's constructor pulls in, all the same files, once per
-rank (issue 39). Here the controller is submitit's own (its timeout signal, requeue loop and
-signal forwarding unchanged), but before its first start it imports the job's rank modules
-(``preload``), and each start forks the ranks from that state instead of starting interpreters.
-A forked rank then runs exactly what the started one ran (``submission.process_job``, with the
-same ``SUBMITIT_LOCAL_*`` variables, its own ``JOB_RANK_log.out/.err`` on its fds 1 and 2,
-unbuffered as ``-u`` makes them), so its result file, its stop file, its log and its exit code,
-which the submitting side reads, are what they were.
+Started ranks each import torch, Switchyard, the job's modules and the ``torch._dynamo`` that DDP's
+constructor pulls in: the same files, once per rank (issue 39). Forked, they are imported once per
+node, and a rank then runs exactly what a started one ran (``submission.process_job``, with the
+variables it would have had, its own ``JOB_RANK_log.out/.err`` on its fds 1 and 2, unbuffered as
+``-u`` makes them), so its result file, its stop file, its log and its exit code, which the
+submitting side reads, are what they were.
 
-A fork is only safe from a process that has started nothing the children would share: no CUDA
-context (a child of a process with one cannot use CUDA), no thread (one holding a lock at the fork
-leaves it held forever in every child: the OpenMP and intra-op pools start at the first parallel
-tensor op, never at import), no process group. The controller checks all three after its imports
-and otherwise starts the ranks as submitit does, saying why on its stderr. The ranks seed their
-generators themselves after the fork (``runtime.seed_everything``), as they did.
+- ``cluster=local``: submitit's local controller, which started each rank as a fresh ``python -u -m
+  submitit.core._submit FOLDER``, is subclassed (``ForkingController``: its timeout signal, requeue
+  loop and signal forwarding unchanged); before its first start it imports the job's rank modules
+  and each start forks the ranks (``ForkingLocalExecutor``).
+- ``cluster=slurm``: srun starts one task per node, the node launcher (``node_launcher``), which
+  imports once, forks the node's ranks with the variables srun would have given them, and reports
+  a rank's death the way srun did (``ForkingSlurmExecutor`` writes that srun line).
 
-On SLURM srun starts every rank (``cluster.rank_start=auto`` spawns there): a node launcher for
-SLURM is designed in docs/performance.md and not built.
+When a fork is not safe (``fork_safety``: a thread, a CUDA context), the ranks start as new
+processes and the reason is said on stderr. The ranks seed their generators themselves after the
+fork (``runtime.seed_everything``), as they did.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -34,7 +31,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -44,18 +40,14 @@ from typing import IO, Any
 import submitit
 from submitit.core import submission, utils
 from submitit.local.local import Controller, LocalJob
+from submitit.slurm import slurm
 
 from orchestrator import atomic
 from orchestrator.launch import local_jobs
+from orchestrator.launch.fork_safety import PRELOAD_ENV, THREAD_VARS, USERS_THREAD_VARS, why_not_fork
 
 MODULE = "orchestrator.launch.fork_start"
-PRELOAD_ENV = "SWITCHYARD_RANK_PRELOAD"  # the modules to import before forking, comma-separated
-# numpy's OpenBLAS starts its thread pool at import, and torch's import GNU OpenMP's, one thread
-# per core, unless these say 1. The controller starts with them at 1 (the user's values saved in
-# USERS_THREAD_VARS) and puts the user's back after its imports, for the ranks: they size their
-# own pools after the fork (runtime.thread_budget), as a started rank does.
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-USERS_THREAD_VARS = "SWITCHYARD_USERS_THREAD_VARS"
+LAUNCHER_MODULE = "orchestrator.launch.node_launcher"  # the SLURM node launcher (not imported here)
 SUBMIT_SCRIPT = str(Path(submission.__file__).with_name("_submit.py"))  # a started rank's sys.argv[0]
 
 
@@ -88,6 +80,38 @@ class ForkingLocalExecutor(submitit.LocalExecutor):
                                    shell=bool(setup), env=env)
         return LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
                         tasks=list(range(ntasks)))
+
+
+class ForkingSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor whose srun starts one task per node: the node launcher, which
+    imports ``preload`` once and forks the node's ranks. The ``#SBATCH`` header is unchanged (the
+    allocation: its tasks, their CPUs, GPUs and memory, the ranks' log files); only the srun line
+    differs: one task per node with every CPU of the node's ranks, and the launcher's own logs
+    (``JOB_NODE_launcher.out/.err``), so it never writes into a rank's."""
+
+    def __init__(self, folder: Path, preload: Sequence[str], max_num_timeout: int = 0,
+                 python: str | None = None) -> None:
+        super().__init__(folder=folder, max_num_timeout=max_num_timeout, python=python)
+        self.preload = tuple(preload)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, int(self.parameters.get("ntasks_per_node", 1)))
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return " ".join([self.python, "-u -m", LAUNCHER_MODULE, shlex.quote(str(self.folder)),
+                         str(self.ranks_per_node), shlex.quote(",".join(self.preload))])
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        params = dict(self.parameters)
+        cpus = params.get("cpus_per_task")
+        params["srun_args"] = [*params.get("srun_args", []), f"--ntasks={params.get('nodes', 1)}",
+                               "--ntasks-per-node=1",
+                               *([f"--cpus-per-task={int(cpus) * self.ranks_per_node}"] if cpus else []),
+                               "--output", str(self.folder / "%j_%t_launcher.out"),
+                               "--error", str(self.folder / "%j_%t_launcher.err")]
+        return slurm._make_sbatch_string(command=command, folder=self.folder, **params)
 
 
 class ForkedTask:
@@ -154,53 +178,29 @@ def await_pickle(path: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def why_not_fork(preload: Sequence[str]) -> str | None:
-    """Import ``preload``; None if a fork from here is safe, else what makes it unsafe."""
-    try:
-        if not preload:
-            return "this job names no modules to import first"
-        for name in preload:
-            try:
-                importlib.import_module(name)
-            except Exception as e:  # the rank will meet it again, and report it as today
-                return f"importing {name} failed ({type(e).__name__}: {e})"
-    finally:
-        restore_thread_vars()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "an import initialised CUDA, which a forked child cannot use"
-    tasks = Path("/proc/self/task")
-    threads = len(os.listdir(tasks)) if tasks.is_dir() else threading.active_count()  # C threads too
-    if threads > 1:
-        return (f"an import started {threads - 1} thread(s), which a fork would leave in every "
-                f"child without them")
-    return None
-
-
-def restore_thread_vars() -> None:
-    """The user's ``THREAD_VARS`` again (unset where they were), once the imports are done."""
-    saved = json.loads(os.environ.pop(USERS_THREAD_VARS, "{}"))
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 def run_rank(local_id: int, job_id: str, folder: Path, stdout: IO[Any], stderr: IO[Any]) -> None:
-    """In the forked child: become the rank submitit would have started, run it, exit as it would."""
+    """In a local job's forked child: become the rank submitit's controller would have started."""
+    become_rank(folder, {"SUBMITIT_LOCAL_LOCALID": str(local_id), "SUBMITIT_LOCAL_GLOBALID": str(local_id),
+                         "SUBMITIT_LOCAL_JOB_ID": job_id}, stdout.fileno(), stderr.fileno(),
+                f"the job's controller (pid {os.getppid()})")
+
+
+def become_rank(folder: Path, env: dict[str, str], stdout_fd: int, stderr_fd: int, parent: str) -> None:
+    """In the forked child: the variables a started rank would have had (``env``), its log files on
+    fds 1 and 2, then submitit's ``process_job``; exit as the interpreter would. Never returns."""
     code = 1
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the controller's forwarding is not the rank's
-        os.dup2(stdout.fileno(), 1)
-        os.dup2(stderr.fileno(), 2)
+        for signum in (signal.SIGTERM, signal.SIGUSR2):  # the parent's handling is not the rank's
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
         sys.stdout, sys.stderr = unbuffered(1), unbuffered(2)  # as `python -u` started it
-        os.environ.update(SUBMITIT_LOCAL_LOCALID=str(local_id), SUBMITIT_LOCAL_GLOBALID=str(local_id),
-                          SUBMITIT_LOCAL_JOB_ID=job_id)
+        os.environ.update(env)
         sys.argv = [SUBMIT_SCRIPT, str(folder)]
         modules = os.environ.get(PRELOAD_ENV, "").replace(",", ", ")
-        print(f"switchyard: rank process forked from the job's controller (pid {os.getppid()}), "
-              f"which imported {modules} once for every rank", flush=True)
+        print(f"switchyard: rank process forked from {parent}, which imported {modules} once for "
+              f"every rank", flush=True)
         submission.process_job(folder)
         code = 0
     except SystemExit as e:

@@ -95,19 +95,20 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     """The executor for ``cluster.mode``; one task per GPU, or per process on CPU. On SLURM, with
     ``code``, every rank imports from that snapshot (``snapshot.setup_lines``). ``paths``: (config
     key, path) the ranks read or write, mounted into ``cluster.container``'s image.
-    ``rank_modules``: what every rank imports before its first step; a local job's controller
-    imports them once and forks its ranks (``fork_start``) unless ``cluster.rank_start=spawn``."""
+    ``rank_modules``: what every rank imports before its first step; one process per node imports
+    them once and forks the ranks (``fork_start``: a local job's controller, SLURM's node launcher)
+    where ``cluster.forks_ranks``."""
     if cluster.mode == "debug":
         return submitit.DebugExecutor(folder=folder)
+    forked = rank_modules if cluster.forks_ranks else ()
     if cluster.mode == "local":
-        return new_executor("local", local_parameters(cluster, parallelism), folder,
-                            rank_modules=rank_modules if cluster.rank_start != "spawn" else ())
+        return new_executor("local", local_parameters(cluster, parallelism), folder, rank_modules=forked)
     check_log_folder(folder)
     params = slurm_parameters(cluster, parallelism)
     if code is not None:
         params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
     params.update(container_parameters(cluster, parallelism, folder.parent, code, paths, params["setup"]))
-    return new_executor("slurm", params, folder, cluster.max_requeues)
+    return new_executor("slurm", params, folder, cluster.max_requeues, rank_modules=forked)
 
 
 def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
@@ -135,7 +136,8 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
     """A local or SLURM executor from its submitit parameters: the one factory behind single jobs
     (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
     ``array_parallelism`` (SLURM only): at most this many tasks of one array at once.
-    ``rank_modules`` (local only): the controller imports them once and forks the ranks."""
+    ``rank_modules``: one process per node (the local controller, SLURM's node launcher) imports
+    them once and forks the ranks (``fork_start``); a single job's only, never an array's."""
     if mode == "local":
         if rank_modules:
             from orchestrator.launch.fork_start import ForkingLocalExecutor
@@ -145,8 +147,13 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
         local.update_parameters(**params)
         return local
     params = dict(params)  # "python": the command that runs the ranks' Python (a container's)
-    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues,
-                                   python=params.pop("python", None))
+    if rank_modules:
+        from orchestrator.launch.fork_start import ForkingSlurmExecutor
+        slurm: submitit.SlurmExecutor = ForkingSlurmExecutor(folder, rank_modules, max_requeues,
+                                                             python=params.pop("python", None))
+    else:
+        slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues,
+                                       python=params.pop("python", None))
     limit = {} if array_parallelism is None else {"array_parallelism": array_parallelism}
     slurm.update_parameters(**params, **limit)
     return slurm

@@ -127,6 +127,49 @@ def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path, queu
     assert f"rank 2 on node {banner.group(1)}" in str(info.value)
 
 
+def running(pid: int) -> bool:
+    """Whether a process lives: a zombie (dead, its parent gone, not yet reaped by init) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigkill_of_a_node_launcher_takes_its_ranks_and_names_them(tmp_path: Path, queued: list[str]) -> None:
+    """The launcher forks node n2's ranks 2 and 3: killed outright, it says nothing, its ranks die
+    with it (PR_SET_PDEATHSIG) instead of holding the node, and srun's line for it names both."""
+    run_dir = tmp_path / "run"
+    job_id = submit_without_waiting(tmp_path, "run", "optim.max_steps=100000",
+                                    "cluster.collective_timeout_s=900")
+    queued.append(job_id)
+    wait_for_step(run_dir, 5)
+    rank2 = (run_dir / "submitit" / f"{job_id}_2_log.out").read_text()
+    launcher = re.search(r"forked from the node launcher \(pid (\d+)\)", rank2)
+    banners = r"switchyard: rank [23]/4 on node n2 .*pid (\d+)\)"
+    ranks = [int(p) for p in re.findall(banners, all_logs(run_dir))]
+    assert launcher is not None and len(ranks) == 2, rank2[-3000:]
+    killed_at = time.monotonic()
+    os.kill(int(launcher.group(1)), signal.SIGKILL)
+    states = slurm_query.wait_for_terminal_states([job_id], timeout_s=120, poll_s=0.2)
+    assert time.monotonic() - killed_at < 60
+    assert states[job_id] == "FAILED"
+    deadline = time.monotonic() + 10
+    while [pid for pid in ranks if running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if running(pid)]
+
+    from submitit import SlurmJob
+
+    from orchestrator.launch import submit
+
+    job = SlurmJob(folder=run_dir / "submitit", job_id=job_id, tasks=tuple(range(4)))
+    with pytest.raises(submit.JobFailedError) as info:
+        submit.results(job)
+    assert info.value.failed_ranks == [2, 3], str(info.value)
+    assert "rank 2 on node n2: srun reports the task killed" in str(info.value)
+
+
 def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued: list[str]) -> None:
     """fsdp under SLURM's time-limit signal: every rank writes its shard, rank 0 requeues, and the
     job resumed from the sharded checkpoint ends with the weights of a run never interrupted."""

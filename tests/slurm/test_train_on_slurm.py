@@ -95,3 +95,27 @@ def test_a_frozen_rank_is_named_on_slurm(tmp_path: Path) -> None:
     assert "rank 3 stopped answering" in report
     culprits = [line for line in report.splitlines() if re.match(r"rank \d+ on node", line)]
     assert len(culprits) == 1 and culprits[0].startswith("rank 3 on node n2"), report
+
+
+def test_forked_and_started_ranks_train_bit_identically_on_slurm(tmp_path: Path, queued: list[str]) -> None:
+    """One srun task per node forks its ranks (cluster.rank_start=auto) or srun starts each rank
+    (spawn): the same losses and weights to the last bit, eval included. Both queued at once."""
+    jobs = {}
+    for start in ("auto", "spawn"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2", "cluster.wait=false",
+             "optim.max_steps=12", "data.demo_num_samples=512", "data.batch_size=16", "eval_every_steps=6",
+             "deterministic=true", "telemetry.enabled=false", f"cluster.rank_start={start}",
+             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / start}"],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        jobs[start] = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
+        queued.append(jobs[start])
+    states = slurm_query.wait_for_terminal_states(list(jobs.values()), timeout_s=400)
+    assert set(states.values()) == {"COMPLETED"}, states
+    forked, started = (json.loads((tmp_path / s / "summary.json").read_text()) for s in ("auto", "spawn"))
+    for key in ("param_checksum_per_rank", "final_train_loss", "final_eval_loss", "samples_per_rank"):
+        assert forked[key] == started[key], key
+    rank3 = tmp_path / "auto" / "submitit" / f"{jobs['auto']}_3_log.out"
+    assert "forked from the node launcher" in rank3.read_text()
+    assert not list((tmp_path / "spawn" / "submitit").glob("*_launcher.out"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.launch.bad_nodes import BadNode, exclude_list, from_logs, of_attempt
+from orchestrator.launch.bad_nodes import BadNode, exclude_list, from_logs, of_attempt, srun_errors
 
 KILLED = ("srun: error: n2: task 1: Killed\n"
           "slurmstepd: error: *** STEP 12.0 ON n1 CANCELLED AT 2026-11-25T05:00:00 ***\n"
@@ -67,3 +67,34 @@ def test_a_switchyard_run_command_killed_by_a_signal_blames_its_node_as_srun_wou
     assert from_logs("FAILED", ["n1", "n2", "n3"], stderr, logs) == [
         BadNode("n2", "rank 0's command was killed by SIGKILL (the OOM killer: its memory cgroup counted "
                       "an oom_kill)")]
+
+
+# What a 2-node job of forked ranks leaves in the batch script's stderr (node_launcher): rank 3,
+# forked on n2, was killed; its launcher said so in srun's words, stopped rank 2, and exited 137,
+# which srun then reported for its task 1, the launcher (not rank 1).
+LAUNCHED = ("switchyard launcher: node n1 (task 0) runs ranks 0-1, forked after one import\n"
+            "switchyard launcher: node n2 (task 1) runs ranks 2-3, forked after one import\n"
+            "switchyard launcher: error: n2: task 3: Killed\n"
+            "switchyard launcher: stopping the other ranks of node n2 after rank 3 ended\n"
+            "switchyard launcher: error: n2: task 2: Exited with exit code 1\n"
+            "srun: error: n2: task 1: Exited with exit code 137\n"
+            "srun: launch/slurm: _step_signal: Terminating StepId=12.0\n"
+            "srun: error: n1: task 0: Terminated\n")
+
+
+def test_a_forked_rank_killed_is_read_from_its_launcher_and_sruns_line_for_the_launcher_is_not() -> None:
+    assert srun_errors(LAUNCHED) == [("n2", 3, "Killed")]
+    assert from_logs("FAILED", ["n1", "n2"], LAUNCHED, {}) == [
+        BadNode("n2", "rank 3 was killed by a signal (srun: Killed)")]
+
+
+def test_a_launcher_killed_outright_names_every_rank_of_its_node() -> None:
+    """A SIGKILLed launcher says nothing; its ranks died with it (PR_SET_PDEATHSIG)."""
+    stderr = LAUNCHED.split("switchyard launcher: error")[0] + "srun: error: n2: task 1: Killed\n"
+    assert srun_errors(stderr) == [("n2", 2, "Killed"), ("n2", 3, "Killed")]
+
+
+def test_without_launchers_srun_tasks_are_ranks() -> None:
+    assert srun_errors("srun: error: n1: tasks 0,2-3: Exited with exit code 1\n") == [
+        ("n1", 0, "Exited with exit code 1"), ("n1", 2, "Exited with exit code 1"),
+        ("n1", 3, "Exited with exit code 1")]

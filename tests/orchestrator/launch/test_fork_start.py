@@ -95,12 +95,30 @@ def test_forked_ranks_are_found_by_their_local_id(tmp_path: Path, setup: list[st
     assert job.done() and not any(t.exception() for t in job._sub_jobs)
 
 
-def test_fork_is_refused_where_srun_or_this_process_starts_the_ranks() -> None:
-    with pytest.raises(ConfigError, match=r"cluster.rank_start='fork' is invalid: forked ranks are built "
-                                          r"for cluster=local only; with cluster=slurm srun starts each "
-                                          r"rank \(try cluster.rank_start=auto\)"):
-        ClusterConfig(mode="slurm", rank_start="fork")
-    ClusterConfig(mode="slurm", rank_start="auto")  # auto: spawn there
+def test_fork_is_refused_where_the_ranks_must_be_their_own_processes() -> None:
+    from orchestrator.config import ContainerConfig
+
+    with pytest.raises(ConfigError, match=r"cluster.rank_start='fork' is invalid: ranks cannot be forked "
+                                          r"with cluster=debug: the job runs in this process "
+                                          r"\(try cluster.rank_start=auto\)"):
+        ClusterConfig(mode="debug", rank_start="fork")
+    with pytest.raises(ConfigError, match=r"with cluster.container.runtime=apptainer: the node launcher"):
+        ClusterConfig(mode="slurm", rank_start="fork",
+                      container=ContainerConfig(runtime="apptainer", image="/images/a.sif"))
+    with pytest.raises(ConfigError, match=r"with --gpus-per-task=1 in cluster.srun_args: SLURM binds"):
+        ClusterConfig(mode="slurm", rank_start="fork", srun_args=["--gpus-per-task=1"])
+
+
+def test_auto_forks_on_local_and_slurm_and_leaves_the_rest_to_srun() -> None:
+    from orchestrator.config import ContainerConfig
+
+    assert ClusterConfig(mode="local").forks_ranks and ClusterConfig(mode="slurm").forks_ranks
+    assert ClusterConfig(mode="slurm", rank_start="fork").forks_ranks
+    assert not ClusterConfig(mode="slurm", rank_start="spawn").forks_ranks
+    assert not ClusterConfig(mode="debug").forks_ranks
+    assert not ClusterConfig(mode="slurm", srun_args=["--gpus-per-task=1"]).forks_ranks
+    assert not ClusterConfig(mode="slurm", container=ContainerConfig(runtime="apptainer",
+                                                                     image="/images/a.sif")).forks_ranks
 
 
 @pytest.mark.parametrize(("strategy", "fsdp_preloaded"), [("ddp", False), ("fsdp", True)])
