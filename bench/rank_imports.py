@@ -1,6 +1,7 @@
 """What each rank pays in imports today, and what one node would pay if a node launcher imported
-once and forked its ranks (issue 39). ``cluster=local`` now does (``orchestrator/launch/fork_start.py``;
-``bench/fork_start_bench.py`` measures the real jobs); SLURM's node launcher is not built.
+once and forked its ranks (issue 39). Both now do: ``cluster=local``'s controller
+(``orchestrator/launch/fork_start.py``; ``bench/fork_start_bench.py`` measures the real jobs) and
+SLURM's node launcher (``orchestrator/launch/node_launcher.py``; ``bench/startup_bench.py``).
 
 A "rank" here is what a ``jobs.train`` rank imports before its first step (submitit's entry,
 ``jobs.train``, the rank process and trainer, and the ``torch._dynamo`` that DDP's constructor

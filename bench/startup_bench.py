@@ -1,5 +1,10 @@
 """Submit -> done: a 1-step 2x2 ``jobs.train`` job against a bare ``sbatch`` + ``srun`` script that
 does a gloo DDP init and one all-reduce, on the local SLURM cluster (issue 30's target: at most 1.3x).
+``jobs.train`` runs once per ``--starts`` (``auto``: one node launcher per node forks the ranks;
+``spawn``: srun starts every rank), so both starts are measured against the same bare runs.
+
+The machine's CPU seconds (``/proc/stat``: every process, the SLURM daemons included) are read
+around each run: on a quiet machine they are what the job cost, whoever spent them.
 
 Each pair runs the two whole commands one after the other, alternating which goes first, so a drift
 in the machine's speed hits both; the ratio is taken pair by pair and its median reported. Both
@@ -16,13 +21,14 @@ For each ``jobs.train`` run it also reports where the seconds went:
 Run on a quiet machine (figures in docs/performance.md, "Start-up")::
 
     .venv/bin/switchyard cluster up
-    .venv/bin/python bench/startup_bench.py --pairs 3
+    .venv/bin/python bench/startup_bench.py --pairs 3 --starts auto spawn
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,11 +61,18 @@ srun {python} {rank}
 """
 
 
-def bare(work: Path) -> float:
+def machine_cpu_s() -> float:
+    """CPU seconds every process of this machine has used since boot (user + nice + system)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return (int(fields[0]) + int(fields[1]) + int(fields[2])) / os.sysconf("SC_CLK_TCK")
+
+
+def bare(work: Path) -> dict[str, float]:
     rank = work / "bare_rank.py"
     rank.write_text(BARE_RANK)
     script = work / "bare.sbatch"
     script.write_text(BARE_SCRIPT.format(out=work, python=sys.executable, rank=rank))
+    cpu = machine_cpu_s()
     started = time.monotonic()
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -70,6 +83,7 @@ def bare(work: Path) -> float:
                          text=True).stdout.strip():
         time.sleep(0.1)
     seconds = time.monotonic() - started
+    cpu = machine_cpu_s() - cpu
     for _ in range(100):  # accounting may lag the controller by a few seconds (not timed)
         state = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True,
                                text=True).stdout.split()
@@ -78,15 +92,17 @@ def bare(work: Path) -> float:
         time.sleep(0.1)
     if state and state[0] != "COMPLETED":
         raise SystemExit(f"the bare job {job_id} ended {state[0]}: see {work}/{job_id}.err")
-    return seconds
+    return {"total_s": seconds, "cpu_s": cpu}
 
 
-def switchyard(work: Path, index: int) -> dict[str, Any]:
-    run_dir = work / f"run-{index}"
+def switchyard(work: Path, index: str, start: str) -> dict[str, Any]:
+    run_dir = work / f"run-{index}-{start}"
     command = [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
+               f"cluster.rank_start={start}",
                "parallelism.procs_per_node=2", "optim.max_steps=1", "data.demo_num_samples=64",
                "telemetry.enabled=false", "logger.tensorboard=false", f"data.cache_dir={work / 'cache'}",
                f"hydra.run.dir={run_dir}"]
+    cpu = machine_cpu_s()
     started = time.monotonic()
     marks: dict[str, float] = {}
     with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -97,10 +113,11 @@ def switchyard(work: Path, index: int) -> dict[str, Any]:
                 if line.startswith(prefix) and prefix not in marks:
                     marks[prefix] = time.monotonic() - started
     total = time.monotonic() - started
+    cpu = machine_cpu_s() - cpu
     if proc.returncode != 0 or "summary:" not in marks:
         raise SystemExit(f"jobs.train failed (exit {proc.returncode}); see {run_dir}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"total_s": total, "checks_s": marks.get("run_dir:", 0.0),
+    return {"total_s": total, "cpu_s": cpu, "checks_s": marks.get("run_dir:", 0.0),
             "submitted_s": marks.get("job:", 0.0), "result_s": marks["summary:"],
             "exit_s": total - marks["summary:"], "startup_s": summary.get("startup_s", {}),
             "ending_s": summary.get("ending_s", {})}
@@ -110,37 +127,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--starts", nargs="+", default=["auto"], choices=["auto", "fork", "spawn"],
+                        help="cluster.rank_start of the jobs.train runs, each measured in every round")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
-    switchyard(work, -1)  # warm-up: the demo dataset, the code snapshot, the page cache
+    for start in args.starts:  # warm-up: the demo dataset, the code snapshot, the page cache
+        switchyard(work, "warm", start)
     bare(work)
     runs: list[dict[str, Any]] = []
+    arms = ["bare", *args.starts]
     for pair in range(args.pairs):
-        order = ("bare", "switchyard") if pair % 2 else ("switchyard", "bare")
+        order = arms[pair % len(arms):] + arms[:pair % len(arms)]  # each arm leads in turn
         figures: dict[str, Any] = {}
         for which in order:
-            figures[which] = bare(work) if which == "bare" else switchyard(work, pair)
-        figures["ratio"] = figures["switchyard"]["total_s"] / figures["bare"]
+            figures[which] = bare(work) if which == "bare" else switchyard(work, str(pair), which)
+        for start in args.starts:
+            figures[f"ratio_{start}"] = figures[start]["total_s"] / figures["bare"]["total_s"]
         runs.append(figures)
-        print(f"pair {pair}: jobs.train {figures['switchyard']['total_s']:.2f} s, bare sbatch+srun "
-              f"{figures['bare']:.2f} s, ratio {figures['ratio']:.2f}", flush=True)
+        base = figures["bare"]
+        said = "; ".join(f"jobs.train {start} {figures[start]['total_s']:.2f} s "
+                         f"({figures[start]['cpu_s']:.2f} CPU s), ratio {figures[f'ratio_{start}']:.2f}"
+                         for start in args.starts)
+        print(f"round {pair}: bare {base['total_s']:.2f} s ({base['cpu_s']:.2f} CPU s); {said}", flush=True)
 
     def median(values: list[float]) -> float:
         return statistics.median(values)
 
-    ours = [r["switchyard"] for r in runs]
-    print(f"\nmedian ratio jobs.train / bare: {median([r['ratio'] for r in runs]):.2f} "
-          f"(jobs.train {median([o['total_s'] for o in ours]):.2f} s, "
-          f"bare {median([r['bare'] for r in runs]):.2f} s)")
-    print("submitting side (median s): " + ", ".join(
-        f"{name} {median([o[key] for o in ours]):.2f}" for name, key in
-        (("config and checks", "checks_s"), ("to sbatch returned", "submitted_s"),
-         ("to result read", "result_s"), ("exit after the result", "exit_s"))))
-    for section in ("startup_s", "ending_s"):
-        names = list(ours[0][section])
-        print(f"rank 0 {section} (median s): " + ", ".join(
-            f"{name} {median([o[section].get(name, 0.0) for o in ours]):.2f}" for name in names))
+    print(f"\nbare sbatch+srun: {median([r['bare']['total_s'] for r in runs]):.2f} s, "
+          f"{median([r['bare']['cpu_s'] for r in runs]):.2f} machine CPU s (medians)")
+    for start in args.starts:
+        ours = [r[start] for r in runs]
+        print(f"\njobs.train cluster.rank_start={start}: median ratio to bare "
+              f"{median([r[f'ratio_{start}'] for r in runs]):.2f} "
+              f"({median([o['total_s'] for o in ours]):.2f} s, "
+              f"{median([o['cpu_s'] for o in ours]):.2f} machine CPU s)")
+        print("  submitting side (median s): " + ", ".join(
+            f"{name} {median([o[key] for o in ours]):.2f}" for name, key in
+            (("config and checks", "checks_s"), ("to sbatch returned", "submitted_s"),
+             ("to result read", "result_s"), ("exit after the result", "exit_s"))))
+        for section in ("startup_s", "ending_s"):
+            names = list(ours[0][section])
+            print(f"  rank 0 {section} (median s): " + ", ".join(
+                f"{name} {median([o[section].get(name, 0.0) for o in ours]):.2f}" for name in names))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
 
