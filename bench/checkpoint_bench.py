@@ -44,9 +44,10 @@ def run(tmp: Path, name: str, steps: int, async_save: bool) -> dict[str, float]:
 
 
 PLAIN_LOAD = """
-import sys, time, psutil, torch
+import sys, time, torch
+from orchestrator.training.startup import process_start_time
 torch.load(sys.argv[1], map_location="cpu", weights_only=False)
-print(time.time() - psutil.Process().create_time())
+print(time.time() - process_start_time())
 """
 
 

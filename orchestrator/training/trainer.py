@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from tqdm import tqdm
 
@@ -321,7 +320,7 @@ class Trainer:
         cfg, window = self.cfg, self.window
         stream, stops = self.data.batches(), preemption.StopPoll(self.stop)
         if self.resumed_from is not None:  # process start -> first step, the checkpoint's load included
-            self.resumed_from["resume_s"] = time.time() - psutil.Process().create_time()
+            self.resumed_from["resume_s"] = time.time() - startup.process_start_time()
         window.begin(log)
         eval_loss, eval_counted = float("nan"), 0
         with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
