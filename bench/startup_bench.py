@@ -95,13 +95,13 @@ def bare(work: Path) -> dict[str, float]:
     return {"total_s": seconds, "cpu_s": cpu}
 
 
-def switchyard(work: Path, index: str, start: str) -> dict[str, Any]:
+def switchyard(work: Path, index: str, start: str, overrides: list[str]) -> dict[str, Any]:
     run_dir = work / f"run-{index}-{start}"
     command = [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
                f"cluster.rank_start={start}",
                "parallelism.procs_per_node=2", "optim.max_steps=1", "data.demo_num_samples=64",
                "telemetry.enabled=false", "logger.tensorboard=false", f"data.cache_dir={work / 'cache'}",
-               f"hydra.run.dir={run_dir}"]
+               f"hydra.run.dir={run_dir}", *overrides]
     cpu = machine_cpu_s()
     started = time.monotonic()
     marks: dict[str, float] = {}
@@ -130,10 +130,11 @@ def main() -> None:
     parser.add_argument("--starts", nargs="+", default=["auto"], choices=["auto", "fork", "spawn"],
                         help="cluster.rank_start of the jobs.train runs, each measured in every round")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument("overrides", nargs="*", help="further jobs.train overrides, e.g. memory.estimate=off")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
     for start in args.starts:  # warm-up: the demo dataset, the code snapshot, the page cache
-        switchyard(work, "warm", start)
+        switchyard(work, "warm", start, args.overrides)
     bare(work)
     runs: list[dict[str, Any]] = []
     arms = ["bare", *args.starts]
@@ -141,7 +142,8 @@ def main() -> None:
         order = arms[pair % len(arms):] + arms[:pair % len(arms)]  # each arm leads in turn
         figures: dict[str, Any] = {}
         for which in order:
-            figures[which] = bare(work) if which == "bare" else switchyard(work, str(pair), which)
+            figures[which] = (bare(work) if which == "bare"
+                              else switchyard(work, str(pair), which, args.overrides))
         for start in args.starts:
             figures[f"ratio_{start}"] = figures[start]["total_s"] / figures["bare"]["total_s"]
         runs.append(figures)

@@ -103,6 +103,13 @@ class ForkingSlurmExecutor(submitit.SlurmExecutor):
         return " ".join([self.python, "-u -m", LAUNCHER_MODULE, shlex.quote(str(self.folder)),
                          str(self.ranks_per_node), shlex.quote(",".join(self.preload))])
 
+    def _internal_process_submissions(self, delayed_submissions: list[utils.DelayedSubmission]
+                                      ) -> list[submitit.Job[Any]]:
+        if len(delayed_submissions) > 1:  # submitit's array path renders a plain SlurmExecutor's script
+            raise NotImplementedError("forked ranks are built for single jobs; sweeps submit arrays "
+                                      "with srun starting each rank (new_executor without rank_modules)")
+        return super()._internal_process_submissions(delayed_submissions)
+
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)
         cpus = params.get("cpus_per_task")

@@ -147,3 +147,12 @@ def test_a_rank_that_left_on_a_stop_request_stops_nobody(tmp_path: Path) -> None
     assert code == 255
     text = (tmp_path / "77_0_log.err").read_text()
     assert "stopping" not in text and text.count("Exited with exit code 255") == 2  # rank 0 was not killed
+
+
+def test_an_array_is_not_given_to_the_forking_executor(tmp_path: Path) -> None:
+    """submitit renders an array's script with a plain SlurmExecutor: it would start the launcher
+    without its srun layout. Sweeps use srun's start; this executor refuses rather than misstart."""
+    executor = submit.make_executor(ClusterConfig(mode="slurm"), ParallelismConfig(nodes=2),
+                                    tmp_path / "submitit", rank_modules=("orchestrator.training.rank_process",))
+    with pytest.raises(NotImplementedError, match="single jobs"):
+        executor.map_array(abs, [1, 2])
