@@ -152,7 +152,8 @@ def test_a_rank_that_left_on_a_stop_request_stops_nobody(tmp_path: Path) -> None
 def test_an_array_is_not_given_to_the_forking_executor(tmp_path: Path) -> None:
     """submitit renders an array's script with a plain SlurmExecutor: it would start the launcher
     without its srun layout. Sweeps use srun's start; this executor refuses rather than misstart."""
+    modules = ("orchestrator.training.rank_process",)
     executor = submit.make_executor(ClusterConfig(mode="slurm"), ParallelismConfig(nodes=2),
-                                    tmp_path / "submitit", rank_modules=("orchestrator.training.rank_process",))
+                                    tmp_path / "submitit", rank_modules=modules)
     with pytest.raises(NotImplementedError, match="single jobs"):
         executor.map_array(abs, [1, 2])
