@@ -33,9 +33,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from jobs.demo_data import demo_paths, ensure_demo_dataset
 from orchestrator.config import (
-    ClusterConfig,
+    AppGroups,
     ConfigError,
-    ParallelismConfig,
     TrainConfig,
     omegaconf_error,
     register_app_check,
@@ -125,11 +124,11 @@ def container_paths(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path
             ("checkpoint.resume_from", cfg.checkpoint.resume_from)]
 
 
-def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
+def check_sweep_point(task_cfg: DictConfig) -> AppGroups:
     """The sweep launcher runs this on every point before anything is queued (registered below)."""
     typed = load_config(task_cfg)
     check_before_submit(typed)  # a point that would not fit its GPU is refused here
-    return typed.cluster, typed.parallelism
+    return AppGroups(typed.cluster, typed.parallelism, rank_process.rank_modules(typed))
 
 
 register_app_check(TrainConfig, check_sweep_point)

@@ -998,11 +998,21 @@ def register_configs() -> None:
     cs.store(group="task", name="base_causal_lm", node=CausalLmTaskConfig)
 
 
+@dataclass(frozen=True)
+class AppGroups:
+    """What an app's check hands the sweep launcher for one point: its groups, and the modules its
+    ranks import before their first step (forked from one import where ``cluster.forks_ranks``;
+    none: each rank is started as its own process)."""
+
+    cluster: ClusterConfig
+    parallelism: ParallelismConfig
+    rank_modules: tuple[str, ...] = ()
+
+
 # An app's own checks before submission, by its config schema. An entry point registers its check
 # (jobs.train does) and the sweep launcher runs it on every point: the launcher reaches the app's
-# checks without orchestrator importing jobs. The check takes the point's composed config and returns
-# its cluster and parallelism groups.
-AppCheck = Callable[[Any], tuple[ClusterConfig, ParallelismConfig]]
+# checks without orchestrator importing jobs. The check takes the point's composed config.
+AppCheck = Callable[[Any], AppGroups]
 _APP_CHECKS: dict[type, AppCheck] = {}
 
 

@@ -13,7 +13,8 @@ submitting side reads, are what they were.
   and each start forks the ranks (``ForkingLocalExecutor``).
 - ``cluster=slurm``: srun starts one task per node, the node launcher (``node_launcher``), which
   imports once, forks the node's ranks with the variables srun would have given them, and reports
-  a rank's death the way srun did (``ForkingSlurmExecutor`` writes that srun line).
+  a rank's death the way srun did (``ForkingSlurmExecutor`` writes that srun line, for a single
+  job or a sweep's array).
 
 When a fork is not safe (``fork_safety``: a thread, a CUDA context), the ranks start as new
 processes and the reason is said on stderr. The ranks seed their generators themselves after the
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -105,19 +107,40 @@ class ForkingSlurmExecutor(submitit.SlurmExecutor):
 
     def _internal_process_submissions(self, delayed_submissions: list[utils.DelayedSubmission]
                                       ) -> list[submitit.Job[Any]]:
-        if len(delayed_submissions) > 1:  # submitit's array path renders a plain SlurmExecutor's script
-            raise NotImplementedError("forked ranks are built for single jobs; sweeps submit arrays "
-                                      "with srun starting each rank (new_executor without rank_modules)")
-        return super()._internal_process_submissions(delayed_submissions)
+        """One job as submitit submits it; an array (a sweep's points) as submitit's own array path
+        does, except that the copy it submits from is this class, so the script is this one's."""
+        if len(delayed_submissions) == 1:
+            return super()._internal_process_submissions(delayed_submissions)
+        folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pickles = []
+        for delayed in delayed_submissions:
+            pickle = folder / f"{uuid.uuid4().hex}.pkl"
+            delayed.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+            delayed.dump(pickle)
+            pickles.append(pickle)
+        array = ForkingSlurmExecutor(self.folder, self.preload, self.max_num_timeout, python=self.python)
+        array.update_parameters(**self.parameters)
+        array.parameters["map_count"] = len(pickles)
+        self._throttle()
+        first = array._submit_command(self._submitit_command_str)
+        tasks = list(range(first.num_tasks))
+        jobs: list[submitit.Job[Any]] = [submitit.SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{a}",
+                                                           tasks=tasks) for a in range(len(pickles))]
+        for job, pickle in zip(jobs, pickles, strict=True):
+            job.paths.move_temporary_file(pickle, "submitted_pickle")
+        return jobs
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)
         cpus = params.get("cpus_per_task")
+        logs = str(self.folder / "%j_%t_launcher")
+        if "map_count" in params:  # an array task's files are named ARRAY_TASK, as submitit names its
+            logs = logs.replace("%j", "%A_%a")
         params["srun_args"] = [*params.get("srun_args", []), f"--ntasks={params.get('nodes', 1)}",
                                "--ntasks-per-node=1",
                                *([f"--cpus-per-task={int(cpus) * self.ranks_per_node}"] if cpus else []),
-                               "--output", str(self.folder / "%j_%t_launcher.out"),
-                               "--error", str(self.folder / "%j_%t_launcher.err")]
+                               "--output", f"{logs}.out", "--error", f"{logs}.err"]
         return slurm._make_sbatch_string(command=command, folder=self.folder, **params)
 
 

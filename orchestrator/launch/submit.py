@@ -137,7 +137,7 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
     (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
     ``array_parallelism`` (SLURM only): at most this many tasks of one array at once.
     ``rank_modules``: one process per node (the local controller, SLURM's node launcher) imports
-    them once and forks the ranks (``fork_start``); a single job's only, never an array's."""
+    them once and forks the ranks (``fork_start``), for a single job or each task of an array."""
     if mode == "local":
         if rank_modules:
             from orchestrator.launch.fork_start import ForkingLocalExecutor

@@ -27,9 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator import atomic
 from orchestrator.config import (
-    ClusterConfig,
+    AppGroups,
     ConfigError,
-    ParallelismConfig,
     omegaconf_error,
     register_app_check,
 )
@@ -123,11 +122,12 @@ def _is_python(program: str) -> bool:
                                 and name.removeprefix("python").replace(".", "").isdigit())
 
 
-def check_sweep_point(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig]:
-    """The sweep launcher runs this on every point of ``switchyard run -m`` before queueing."""
+def check_sweep_point(task_cfg: DictConfig) -> AppGroups:
+    """The sweep launcher runs this on every point of ``switchyard run -m`` before queueing. Its
+    ranks start as processes: each execs the user's command."""
     typed = load_config(task_cfg)
     check_before_submit(typed)
-    return typed.cluster, typed.parallelism
+    return AppGroups(typed.cluster, typed.parallelism)
 
 
 register_app_check(RunConfig, check_sweep_point)

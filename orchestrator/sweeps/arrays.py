@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
+from orchestrator.config import AppGroups, ClusterConfig, ConfigError, ParallelismConfig
 from orchestrator.launch import bad_nodes, slurm_query
 from orchestrator.registry.db import Attempt, Job, Registry, Submitted
 from orchestrator.registry.states import RETRY_STATES
@@ -105,6 +105,10 @@ class Resources:
     array_parallelism: int
     source: str  # where the user sets them: "cluster" (the app's group) or "hydra.launcher"
     max_excluded_nodes: int = 2  # cluster.max_excluded_nodes: a retry avoids at most this many nodes
+    # Imported once per node before the ranks are forked (launch/fork_start.py); empty: each rank
+    # starts as its own process (an app without them, cluster.rank_start=spawn). Recorded by older
+    # versions without it.
+    rank_modules: list[str] = field(default_factory=list)
 
     def key(self) -> str:
         return group_key(asdict(self))
@@ -114,15 +118,16 @@ class Resources:
         return cls(**data)
 
 
-def resources_for(settings: LauncherSettings, groups: tuple[ClusterConfig, ParallelismConfig] | None
-                  ) -> Resources:
+def resources_for(settings: LauncherSettings, groups: AppGroups | None) -> Resources:
     from orchestrator.launch.submit import local_parameters, slurm_parameters  # imports submitit
 
-    cluster, parallelism = groups or _launcher_groups(settings)
+    cluster, parallelism = (groups.cluster, groups.parallelism) if groups else _launcher_groups(settings)
     params = local_parameters(cluster, parallelism) if settings.executor == "local" \
         else slurm_parameters(cluster, parallelism)
+    forked = [*groups.rank_modules, run_point.__module__] if groups and groups.rank_modules \
+        and cluster.forks_ranks and cluster.mode == settings.executor else []
     return Resources(settings.executor, params, cluster.max_requeues, settings.array_parallelism,
-                     "cluster" if groups else "hydra.launcher", cluster.max_excluded_nodes)
+                     "cluster" if groups else "hydra.launcher", cluster.max_excluded_nodes, forked)
 
 
 def _launcher_groups(settings: LauncherSettings) -> tuple[ClusterConfig, ParallelismConfig]:
@@ -280,7 +285,8 @@ def make_executor(resources: Resources, folder: Path) -> submitit.Executor:
     from orchestrator.launch.submit import new_executor  # imports submitit
 
     return new_executor(resources.executor, resources.params, folder, resources.max_requeues,
-                        resources.array_parallelism if resources.executor == "slurm" else None)
+                        resources.array_parallelism if resources.executor == "slurm" else None,
+                        rank_modules=resources.rank_modules)
 
 
 def submit_array(registry: Registry, sweep_id: int, resources: Resources, run_dirs: dict[int, str],

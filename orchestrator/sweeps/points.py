@@ -25,7 +25,14 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, SnapshotConfig, app_check
+from orchestrator.config import (
+    AppGroups,
+    ClusterConfig,
+    ConfigError,
+    ParallelismConfig,
+    SnapshotConfig,
+    app_check,
+)
 from orchestrator.launch import container, provenance, signal_delay, snapshot
 from orchestrator.sweeps.arrays import LauncherSettings, Resources, SweepError, resources_for
 from orchestrator.sweeps.node import POINT_DIR, write_bytes
@@ -126,7 +133,8 @@ def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, maste
         task_cfg = task_config(config)
         groups = check_app_config(task_cfg)
         if groups is not None:  # cluster.signal_delay_s=auto: from this point's own last run
-            groups = (signal_delay.at_submission(groups[0], run_dir, announce=False), groups[1])
+            delay = signal_delay.at_submission(groups.cluster, run_dir, announce=False)
+            groups = replace(groups, cluster=delay)
         resources = resources_for(settings, groups)
     except (ConfigError, SweepError) as e:
         raise SweepError(f"{where}: {e}") from e
@@ -134,7 +142,7 @@ def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, maste
         raise SweepError(f"{where}: {type(e).__name__}: {e}") from e
     steps = OmegaConf.select(task_cfg, "optim.max_steps", default=None)
     return Point(num, list(overrides), config, task_cfg, run_dir, resources, groups is not None,
-                 steps if isinstance(steps, int) else None, cluster=groups[0] if groups else None)
+                 steps if isinstance(steps, int) else None, cluster=groups.cluster if groups else None)
 
 
 def resolve_point(config: DictConfig, num: int, sweep_dir: Path) -> Path:
@@ -238,7 +246,7 @@ def snapshot_config(task_cfg: DictConfig) -> SnapshotConfig:
     return SnapshotConfig()
 
 
-def check_app_config(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismConfig] | None:
+def check_app_config(task_cfg: DictConfig) -> AppGroups | None:
     """The app's own checks; returns its cluster/parallelism groups when it has Switchyard's."""
     cluster, parallelism = task_cfg.get("cluster"), task_cfg.get("parallelism")
     if not (isinstance(cluster, DictConfig) and isinstance(parallelism, DictConfig)
@@ -250,7 +258,7 @@ def check_app_config(task_cfg: DictConfig) -> tuple[ClusterConfig, ParallelismCo
         # jobs.train's ranks skip its checks (they trust the launcher), so its registered check runs
         # here: schema, dataset (the demo one is generated now, once), model structure.
         return check(task_cfg)
-    return _typed(cluster, ClusterConfig), _typed(parallelism, ParallelismConfig)
+    return AppGroups(_typed(cluster, ClusterConfig), _typed(parallelism, ParallelismConfig))
 
 
 def _typed(node: DictConfig, schema: type[Any]) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import dist_env, node_launcher, submit
+from orchestrator.launch import dist_env, fork_start, node_launcher, submit
 from orchestrator.launch.bad_nodes import srun_errors
 from orchestrator.launch.node_launcher import Layout, Report, supervise
 
@@ -149,11 +149,26 @@ def test_a_rank_that_left_on_a_stop_request_stops_nobody(tmp_path: Path) -> None
     assert "stopping" not in text and text.count("Exited with exit code 255") == 2  # rank 0 was not killed
 
 
-def test_an_array_is_not_given_to_the_forking_executor(tmp_path: Path) -> None:
-    """submitit renders an array's script with a plain SlurmExecutor: it would start the launcher
-    without its srun layout. Sweeps use srun's start; this executor refuses rather than misstart."""
+def test_an_arrays_script_starts_one_launcher_per_node_too(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's points are one array: submitit renders an array's script from a copy of the
+    executor, which must be the forking one (a plain copy would start the launcher as every rank).
+    The script is caught where sbatch would get it; tests/slurm submits real arrays."""
+    from submitit.core import utils
+
     modules = ("orchestrator.training.rank_process",)
     executor = submit.make_executor(ClusterConfig(mode="slurm"), ParallelismConfig(nodes=2),
                                     tmp_path / "submitit", rank_modules=modules)
-    with pytest.raises(NotImplementedError, match="single jobs"):
+    submitted: list[str] = []
+
+    def caught(self: fork_start.ForkingSlurmExecutor, command: str) -> object:
+        submitted.append(self._make_submission_file_text(command, uid="x"))
+        raise utils.FailedSubmissionError("caught, not queued")
+
+    monkeypatch.setattr(fork_start.ForkingSlurmExecutor, "_submit_command", caught)
+    with pytest.raises(utils.FailedSubmissionError):
         executor.map_array(abs, [1, 2])
+    [script] = submitted
+    assert "#SBATCH --array=0-1" in script and "--ntasks=2 --ntasks-per-node=1" in script
+    assert "-m orchestrator.launch.node_launcher" in script
+    assert f"--output {tmp_path}/submitit/%A_%a_%t_launcher.out" in script  # %j: the task's own id
