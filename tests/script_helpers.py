@@ -20,7 +20,7 @@ DDP_SCRIPT = textwrap.dedent("""
     if os.environ.get("FAIL_RANK") == str(rank):
         print(f"rank {rank} gives up here", flush=True)
         print("the last words of the failing rank", file=sys.stderr, flush=True)
-        sys.exit(3)
+        os._exit(3)  # sys.exit with the gloo group alive: torch's teardown may abort (SIGABRT) instead
     dist.barrier()
     dist.destroy_process_group()
 """)
