@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.config import AppGroups, ClusterConfig, ParallelismConfig
 from orchestrator.launch import submit
 from orchestrator.sweeps.arrays import LauncherSettings, resources_for
 
@@ -51,5 +51,6 @@ def test_cpu_ranks_see_no_gpu(tmp_path: Path) -> None:
 
 def test_a_local_sweep_point_asks_for_its_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    resources = resources_for(LauncherSettings(executor="local"), (ClusterConfig(mode="local"), GPU2))
+    point = AppGroups(ClusterConfig(mode="local"), GPU2)
+    resources = resources_for(LauncherSettings(executor="local"), point)
     assert resources.params["gpus_per_node"] == 2 and resources.params["tasks_per_node"] == 2
