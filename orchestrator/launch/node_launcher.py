@@ -38,12 +38,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.launch import dist_env
 from orchestrator.launch.fork_safety import PRELOAD_ENV, hold_thread_pools, why_not_fork
 
 MODULE = "orchestrator.launch.node_launcher"
 SAYS = "switchyard launcher"  # how its lines start; bad_nodes reads them
 STOP_GRACE_S = 10.0  # after a rank failed, the others' time to leave on SIGTERM before SIGKILL
-POLL_S = 0.05
+POLL_S = 0.05  # while the others are given their grace
 _PR_SET_PDEATHSIG = 1
 
 
@@ -55,14 +56,16 @@ class Layout:
     nodes: int
     per_node: int
     hostname: str
+    job_id: str  # as submitit names the job's files (an array task's: ARRAY_TASK)
     cpus_per_task: int | None  # the launcher's CPUs (every rank's), when SLURM says
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], per_node: int) -> Layout:
+        """The launcher's own place (``dist_env``: it is srun's task NODE of NODES), and its CPUs."""
+        found = dist_env.detect(env)
         cpus = env.get("SLURM_CPUS_PER_TASK")
-        return cls(node=int(env["SLURM_PROCID"]), nodes=int(env["SLURM_NTASKS"]), per_node=per_node,
-                   hostname=env.get("SLURMD_NODENAME") or os.uname().nodename,
-                   cpus_per_task=int(cpus) if cpus and cpus.isdigit() else None)
+        return cls(node=found.rank, nodes=found.world_size, per_node=per_node, hostname=found.hostname,
+                   job_id=found.job_id, cpus_per_task=int(cpus) if cpus and cpus.isdigit() else None)
 
     @property
     def ranks(self) -> range:
@@ -79,13 +82,6 @@ class Layout:
         if self.cpus_per_task is not None:
             env["SLURM_CPUS_PER_TASK"] = str(max(1, self.cpus_per_task // self.per_node))
         return env
-
-
-def job_id(env: Mapping[str, str]) -> str:
-    """The job id submitit names files with (an array task's is ``ARRAY_TASK``)."""
-    if env.get("SLURM_ARRAY_JOB_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env["SLURM_JOB_ID"]
 
 
 def reason(code: int) -> str:
@@ -138,8 +134,8 @@ def supervise(ranks: Mapping[int, int], report: Report, grace_s: float = STOP_GR
     first: int | None = None
     kill_at = float("inf")
     while living:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        try:  # blocking while nothing is due: the launcher costs nothing while its ranks train
+            pid, status = os.waitpid(-1, os.WNOHANG if kill_at < float("inf") else 0)
         except ChildProcessError:
             break
         if pid == 0:
@@ -216,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         signal.signal(signum, lambda signum, frame: None)
     os.environ[PRELOAD_ENV] = ",".join(preload)  # the ranks' first line names them
     layout = Layout.from_env(os.environ, per_node)
-    job = job_id(os.environ)
+    job = layout.job_id
     unsafe = why_not_fork(preload)
     from submitit.core import utils
 

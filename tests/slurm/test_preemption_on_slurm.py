@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import running
 from slurm_helpers import release_requeue_hold
 
 from orchestrator.launch import slurm_query
@@ -125,15 +126,6 @@ def test_sigkill_of_one_rank_ends_the_job_fast_and_names_it(tmp_path: Path, queu
         submit.results(job)
     assert info.value.failed_ranks == [2], str(info.value)
     assert f"rank 2 on node {banner.group(1)}" in str(info.value)
-
-
-def running(pid: int) -> bool:
-    """Whether a process lives: a zombie (dead, its parent gone, not yet reaped by init) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_sigkill_of_a_node_launcher_takes_its_ranks_and_names_them(tmp_path: Path, queued: list[str]) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import running
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import dist_env, fork_start, node_launcher, submit
@@ -120,17 +121,9 @@ def test_a_forked_rank_dies_with_its_launcher(tmp_path: Path) -> None:
     os.kill(launcher, signal.SIGKILL)
     os.waitpid(launcher, 0)
     deadline = time.monotonic() + 10
-    while pid_alive(rank) and time.monotonic() < deadline:
+    while running(rank) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not pid_alive(rank)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie (reparented, unreaped) is dead
+    assert not running(rank)
 
 
 @pytest.mark.parametrize("code", [-int(signal.SIGSEGV), 1])
