@@ -861,6 +861,10 @@ class MemoryConfig:
     # The peak memory per rank, estimated before submission (training/estimate.py). check: a step
     # above 95% of the GPU is refused, naming the cheapest option that fits; warn: shown only; off.
     estimate: str = "check"
+    # Estimates remembered across submissions, by a hash of the step's config, data and code
+    # (training/estimate_memo.py): the same step submitted again skips the fake-tensor run and its
+    # imports (1.5-2.5 s of the submitting process). null: run the estimate at every submission.
+    estimate_cache: str | None = "~/.cache/switchyard/memory-estimates"
     # A step that runs out of memory is run again at half the micro-batch (twice the pieces per
     # step: the same samples and gradient), on every rank; the size is kept for the rest of the run
     # and in the checkpoint (training/microbatch.py). ddp only.

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ConfigError, TrainConfig
 from orchestrator.telemetry import nvml
-from orchestrator.training import runtime, step, strategy
+from orchestrator.training import estimate_memo, runtime, step, strategy
 from orchestrator.training.tasks import Batch, Task
 from sharding import ShardedDataset
 
@@ -79,7 +79,13 @@ GPU_GIB: tuple[tuple[str, str, float, bool], ...] = (  # (pattern, name, GiB, bf
 
 class EstimateUnavailable(RuntimeError):
     """The step cannot run on fake tensors (a model that reads a value on the host, an op with
-    no fake kernel, a process group already running here): the submission goes on unestimated."""
+    no fake kernel, a process group already running here): the submission goes on unestimated.
+    ``lasting``: a property of the step, remembered with it (not so a process group that runs
+    here now)."""
+
+    def __init__(self, why: str, lasting: bool = False) -> None:
+        super().__init__(why)
+        self.lasting = lasting
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class MemoryReport:
     estimate: Estimate | None
     capacity: Capacity | None
     unavailable: str | None = None  # why there is no estimate
+    remembered: bool = False  # read back from memory.estimate_cache, not run in this submission
 
     @property
     def fraction(self) -> float | None:
@@ -127,10 +134,11 @@ class MemoryReport:
         if self.estimate is None:
             return f"memory: not estimated ({self.unavailable})"
         peak = f"memory: {gib(self.estimate.peak)} peak per rank"
+        kind = "estimate, remembered" if self.remembered else "estimate"
         if self.capacity is None:
-            return f"{peak} (estimate; GPU size unknown: set cluster.gpu_mem_gb to check it)"
+            return f"{peak} ({kind}; GPU size unknown: set cluster.gpu_mem_gb to check it)"
         where = f"on {self.capacity.name}" if self.capacity.is_gpu else self.capacity.name
-        return f"{peak} of {gib(self.capacity.bytes)} {where} (estimate)"
+        return f"{peak} of {gib(self.capacity.bytes)} {where} ({kind})"
 
     def table(self) -> str:
         """The dry run's breakdown: one row per category, then the peak and its share."""
@@ -151,7 +159,7 @@ class MemoryReport:
                 "capacity_bytes": self.capacity.bytes if self.capacity else None,
                 "capacity_name": self.capacity.name if self.capacity else None,
                 "on_gpu": self.capacity.is_gpu if self.capacity else None,
-                "fraction": self.fraction, "unavailable": self.unavailable}
+                "fraction": self.fraction, "unavailable": self.unavailable, "remembered": self.remembered}
 
 
 def gib(num_bytes: int | float) -> str:
@@ -196,24 +204,64 @@ def pad_rows(value: torch.Tensor, length: int) -> torch.Tensor:
 
 # Estimates by what they depend on (``memo_key``): a sweep's points are checked in one process
 # and mostly differ in keys such as optim.lr, so each distinct step runs once (3-5 s for a large one).
-_ESTIMATES: dict[str, Estimate] = {}
+# Each is the estimate, or why the step cannot be estimated, and whether it was read back from
+# memory.estimate_cache (estimate_memo: across submissions) instead of run here.
+_ESTIMATES: dict[str, tuple[Estimate | str, bool]] = {}
 
 
 def memo_key(cfg: TrainConfig, ds: ShardedDataset) -> str:
-    """Everything the step's memory depends on: not the learning rate, seed, cluster or logging."""
+    """Everything the step's memory depends on: not the learning rate, seed, cluster or logging,
+    nor where the data lies: the dataset is its fingerprint (schema, shard counts, every file's
+    checksum), so two copies of the same data, or the same demo data in two caches, are one step."""
     optim = (cfg.optim.name, cfg.optim.momentum, cfg.optim.grad_accum_steps)  # SGD momentum 0: no state
-    return repr((cfg.model, cfg.task, cfg.data, cfg.parallelism, cfg.memory.amp,
-                 cfg.memory.activation_checkpointing, optim, str(ds.root), ds.fingerprint))
+    data = dataclasses.replace(cfg.data, path=None, eval_path=None, cache_dir="", num_workers=0)
+    return repr((cfg.model, cfg.task, data, cfg.parallelism, cfg.memory.amp,
+                 cfg.memory.activation_checkpointing, optim, ds.fingerprint))
 
 
 def estimate_step(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> Estimate:
     """The peak per rank of one steady training step of ``cfg`` (see the module's docstring),
-    remembered for this process. Raises EstimateUnavailable when the step cannot run on fake
-    tensors."""
+    remembered for this process and in ``memory.estimate_cache``. Raises EstimateUnavailable when
+    the step cannot run on fake tensors."""
+    return recalled_step(cfg, task, ds, example)[0]
+
+
+def recalled_step(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch
+                  ) -> tuple[Estimate, bool]:
+    """``estimate_step`` and whether its estimate was read back from ``memory.estimate_cache``."""
     key = memo_key(cfg, ds)
     if key not in _ESTIMATES:
-        _ESTIMATES[key] = run_estimate(cfg, task, ds, example)
-    return _ESTIMATES[key]
+        _ESTIMATES[key] = recall_or_run(cfg, key, lambda: run_estimate(cfg, task, ds, example))
+    found, remembered = _ESTIMATES[key]
+    if isinstance(found, str):
+        raise EstimateUnavailable(found, lasting=True)
+    return found, remembered
+
+
+def recall_or_run(cfg: TrainConfig, key: str, run: Callable[[], Estimate]) -> tuple[Estimate | str, bool]:
+    """The estimate (or why there is none) from ``memory.estimate_cache``; else ``run()``'s,
+    written there. A situational EstimateUnavailable (a process group running here) propagates,
+    remembered nowhere."""
+    folder = Path(cfg.memory.estimate_cache).expanduser() if cfg.memory.estimate_cache else None
+    name = estimate_memo.file_name(key) if folder is not None else ""
+    found = estimate_memo.recall(folder, name) if folder is not None else None
+    if found is not None:
+        if "unavailable" in found:
+            return str(found["unavailable"]), True
+        try:
+            return Estimate(**found["estimate"]), True
+        except TypeError:
+            pass  # another shape of record under the same format: run it again
+    try:
+        fresh: Estimate | str = run()
+    except EstimateUnavailable as e:
+        if not e.lasting:
+            raise
+        fresh = str(e)
+    if folder is not None:
+        record = {"unavailable": fresh} if isinstance(fresh, str) else {"estimate": fresh.as_dict()}
+        estimate_memo.remember(folder, name, key, record)
+    return fresh, False
 
 
 def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batch) -> Estimate:
@@ -239,7 +287,7 @@ def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
         # check_model already ran this model once, so a failure here only costs the estimate
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EstimateUnavailable(f"the step does not run on fake tensors: {type(e).__name__}: "
-                                  f"{first[:200]}") from e
+                                  f"{first[:200]}", lasting=True) from e
     buckets = 0 if fsdp else state_bytes(cfg, kwargs)  # DDP's reducer: one more gradient copy
     return categorise(snapshot, buckets, on_gpu=cfg.parallelism.gpus_per_node > 0)
 
@@ -433,10 +481,10 @@ def check_memory(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
         return None
     capacity = gpu_capacity(cfg)
     try:
-        found = estimate_step(cfg, task, ds, example)
+        found, remembered = recalled_step(cfg, task, ds, example)
     except EstimateUnavailable as e:
         return MemoryReport(None, capacity, str(e))
-    report = MemoryReport(found, capacity)
+    report = MemoryReport(found, capacity, remembered=remembered)
     fraction = report.fraction
     if cfg.memory.estimate != "check" or capacity is None or fraction is None or found.peak <= 0:
         return report

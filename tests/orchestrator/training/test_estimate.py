@@ -32,9 +32,12 @@ SMALL = ["model=transformer", "model.d_model=128", "model.ff_dim=256", "data.bat
 
 
 def compose_config(overrides: list[str]) -> TrainConfig:
+    """Nothing remembered across processes (``memory.estimate_cache=null``): each estimate here runs
+    (test_estimate_memo.py tests the remembering)."""
     register_configs()
     with initialize_config_module("conf", version_base="1.3"):
-        return cast(TrainConfig, OmegaConf.to_object(compose("train", overrides=overrides)))
+        return cast(TrainConfig, OmegaConf.to_object(compose("train", overrides=[
+            "memory.estimate_cache=null", *overrides])))
 
 
 @pytest.fixture(scope="module")
