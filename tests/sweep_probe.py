@@ -11,6 +11,7 @@ from pathlib import Path
 
 APP = """
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from omegaconf import DictConfig
 @hydra.main(version_base="1.3", config_path=".", config_name="config")
 def main(cfg: DictConfig) -> int:
     Path(cfg.out_dir, f"ran-{cfg.x}-{os.getpid()}").write_text(str(cfg.label))
+    # what the task's process had imported for it: an app without torch should find none
+    Path(cfg.out_dir, f"torch-{cfg.x}-{os.getpid()}").write_text(str("torch" in sys.modules))
     if Path(cfg.out_dir, f"fail-{cfg.x}").exists():
         raise ValueError(f"x={cfg.x} was told to fail")
     time.sleep(cfg.sleep_s)

@@ -85,14 +85,13 @@ def _run_reporting(run: Callable[[], JobReturn], report: TaskStatus, run_dir: st
     import cloudpickle
     from hydra.core.utils import JobStatus
 
-    from orchestrator.launch.rank_env import AttemptNotOver
-    from orchestrator.training.preemption import JobStopped
-
     try:
         ret = run()
-    except (JobStopped, AttemptNotOver):
-        raise
-    except SystemExit as e:  # the app called sys.exit
+    except SystemExit as e:
+        # The trainer's JobStopped and rank_env's AttemptNotOver are told by their stop_reason, as
+        # submit's wrapper tells them: their modules import torch, which an app's task needs not.
+        if getattr(e, "stop_reason", None):
+            raise
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if is_main:
             _end(report, run_dir, code, f"exited with status {code}" if code else None)

@@ -77,6 +77,8 @@ def test_blocking_local_sweep_runs_every_point_and_records_it(tmp_path: Path) ->
     with Registry(Path(env_for(tmp_path)["SWITCHYARD_REGISTRY"])) as reg:  # kept as the sweep ended
         assert set(reg.results(1)) == {a.id for a in reg.latest_attempts(1).values()}
     assert [runs(tmp_path, x) for x in (1, 2, 3)] == [1, 1, 1]
+    # the app imports no torch, and neither does Switchyard's side of its tasks (1 s of CPU each)
+    assert {p.read_text() for p in (tmp_path / "out").glob("torch-*")} == {"False"}
     status = status_json(tmp_path, "1")
     assert [(j["job"], j["state"], j["exit_code"]) for j in status["jobs"]] == [
         ("1/0", "COMPLETED", 0), ("1/1", "COMPLETED", 0), ("1/2", "COMPLETED", 0)]
