@@ -226,3 +226,14 @@ def test_the_submitting_process_imports_no_compiler_fsdp_or_dcp() -> None:
     code = (f"import sys, jobs.train; print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_rank_wrapper_of_a_users_command_imports_no_torch() -> None:
+    """`switchyard run`'s rank wrapper starts the user's command, which imports torch itself: only
+    rank 0's wrapper, which serves the job's TCPStore, imports torch.distributed, when it serves."""
+    import subprocess
+    import sys
+
+    code = "import sys, orchestrator.scripts.rank; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
 
@@ -52,6 +50,10 @@ def serve_or_find_store(env: DistEnv, rdzv_dir: Path, timeout_s: float
         endpoint = rendezvous.wait_for_endpoint(path, timeout_s)
         rendezvous.resolve(endpoint.host)
         return None, endpoint
+    # Only rank 0's wrapper serves the store, so only it imports torch (a second of CPU): the
+    # other ranks' wrappers start the user's command without it (8 per node on a GPU cluster).
+    import torch.distributed as dist
+
     rendezvous.resolve(env.master_addr)
     store = dist.TCPStore(env.master_addr, 0, env.world_size, True,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -15,13 +15,18 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from orchestrator import atomic
 from orchestrator.launch import gloo_interface
 from orchestrator.launch.dist_env import DistEnv
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+# torch is imported where a store or a group is made, not here: `switchyard run`'s rank wrappers
+# read and write the endpoint files alone, and only rank 0's serves a store (rank_env).
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -84,6 +89,8 @@ def wait_for_endpoint(path: Path, timeout_s: float) -> Endpoint:
 
 def start_store(env: DistEnv, rdzv_dir: Path, timeout_s: float) -> dist.TCPStore:
     """Rank 0 serves the store on a free port; the others connect to what it published."""
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=timeout_s)
     if env.master_port is not None:  # torchrun already chose and serves the port
         resolve(env.master_addr)
@@ -135,6 +142,8 @@ def init_process_group(env: DistEnv, rdzv_dir: Path, *, backend: str = "auto",
     On GPU the caller sets the device from the local rank first (see ``orchestrator.training.runtime``)
     and passes it as ``device``: NCCL's communicator is bound to it, never to GPU 0 for every rank.
     """
+    import torch.distributed as dist
+
     chosen = choose_backend(backend, device)
     store = start_store(env, rdzv_dir, rendezvous_timeout_s)
     bind_gloo(env, store, rendezvous_timeout_s)
@@ -149,6 +158,8 @@ def bind_gloo(env: DistEnv, store: dist.Store, timeout_s: float) -> str | None:
     address the hostname may resolve to (see ``gloo_interface``). A rank off node 0 routes to rank
     0's node; node 1's first rank publishes its own address in the store, and node 0's ranks, which
     have no other node's address, route back to it. Returns the interface chosen, if any."""
+    import torch.distributed as dist
+
     if env.num_nodes <= 1:
         return None
     key = f"{gloo_interface.PEER_KEY}/{env.restart_count}"
@@ -178,5 +189,7 @@ def bind_gloo(env: DistEnv, store: dist.Store, timeout_s: float) -> str | None:
 
 
 def destroy_process_group() -> None:
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
