@@ -18,6 +18,10 @@ For each ``jobs.train`` run it also reports where the seconds went:
 - on rank 0, ``summary.json``'s ``startup_s`` (process start -> first step: imports, preflight,
   rendezvous, data, model, resume, first step) and ``ending_s`` (last step -> result).
 
+The warm-up run before the rounds makes the demo dataset and the code snapshot, and its memory
+estimate is remembered (``memory.estimate_cache``), so each measured run is a resubmission of the
+same step; pass ``memory.estimate_cache=null`` to measure first submissions, whose estimate runs.
+
 Run on a quiet machine (figures in docs/performance.md, "Start-up")::
 
     .venv/bin/switchyard cluster up
@@ -133,7 +137,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="further jobs.train overrides, e.g. memory.estimate=off")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
-    for start in args.starts:  # warm-up: the demo dataset, the code snapshot, the page cache
+    for start in args.starts:  # warm-up: the demo data, the code snapshot, the page cache, the estimate
         switchyard(work, "warm", start, args.overrides)
     bare(work)
     runs: list[dict[str, Any]] = []
