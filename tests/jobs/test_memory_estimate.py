@@ -91,6 +91,7 @@ def test_a_run_prints_the_line_and_its_summary_keeps_the_estimate_beside_the_pea
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *SMALL, "optim.max_steps=2",
                            "telemetry.enabled=false", f"data.cache_dir={tmp_path / 'cache'}",
+                           f"memory.estimate_cache={tmp_path / 'memo'}",  # run here, not remembered
                            f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"^memory: [\d.]+ MiB peak per rank of [\d.]+ GiB host memory per rank \(estimate\)$",
