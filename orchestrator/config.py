@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 
@@ -982,7 +981,11 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Register every schema; called by each Hydra entry point before it composes."""
+    """Register every schema; called by each Hydra entry point before it composes. Hydra is
+    imported here, not with this module: `switchyard status`, `show` and `logs` read the config's
+    types and never compose (a tenth of a second of their start)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="prepare_schema", node=PrepareConfig)
     cs.store(group="parallelism", name="base_parallelism", node=ParallelismConfig)

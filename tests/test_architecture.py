@@ -237,3 +237,17 @@ def test_the_rank_wrapper_of_a_users_command_imports_no_torch() -> None:
     code = "import sys, orchestrator.scripts.rank; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_status_commands_import_neither_torch_nor_hydra() -> None:
+    """`switchyard status`, `show`, `logs` and `cancel` only read the registry and the run
+    directories; a user polls them by hand or in a loop, so their start is kept to the standard
+    library, the registry and psutil: no torch, and no Hydra (the config's schemas are read as
+    types, never composed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, orchestrator.cli, orchestrator.sweeps.status; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'hydra', 'numpy'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
