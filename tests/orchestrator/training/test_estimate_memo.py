@@ -24,7 +24,7 @@ from orchestrator.training.tasks import build_task
 from sharding import open_dataset
 
 SMALL = ["data.batch_size=8", "data.demo_num_samples=64"]
-TRANSFORMER = ["model=transformer", "model.d_model=32", "model.ff_dim=64"]
+SMALL_MLP = ["model=mlp", "model.hidden_dim=16"]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def config(data: Path, remembered: Path | None, *overrides: str) -> TrainConfig:
-    """The small transformer unless ``overrides`` name another model."""
-    model = [] if any(o.startswith("model=") for o in overrides) else TRANSFORMER
+    """A small MLP unless ``overrides`` name another model."""
+    model = [] if any(o.startswith("model=") for o in overrides) else SMALL_MLP
     with initialize_config_module("conf", version_base="1.3"):
         composed = compose("train", overrides=[*model, *SMALL, f"data.cache_dir={data}",
                                                f"memory.estimate_cache={remembered or 'null'}", *overrides])
@@ -205,7 +205,7 @@ def test_a_remembered_estimate_spares_the_submitting_process_the_compiler_stack(
         data: Path, tmp_path: Path) -> None:
     """What remembering is for: the fake-tensor step imports ``torch._dynamo`` (1.5-2 s of a
     submission's CPU); the second submitting process imports none of it."""
-    overrides = [*TRANSFORMER, *SMALL, f"data.cache_dir={data}", f"memory.estimate_cache={tmp_path}"]
+    overrides = [*SMALL_MLP, *SMALL, f"data.cache_dir={data}", f"memory.estimate_cache={tmp_path}"]
     seen = [subprocess.run([sys.executable, "-c", RECALL, *overrides], capture_output=True, text=True,
                            timeout=300, check=True).stdout.split() for _ in range(2)]
     assert seen == [["False", "True"], ["True", "False"]]
