@@ -102,16 +102,23 @@ def module_source(target: str) -> Source | None:
         return None
     locations = list(spec.submodule_search_locations or [])
     path = Path(locations[0]) if locations else Path(spec.origin or "")
-    if not path.exists() or _installed(path):
+    if not path.exists() or installed(path):
         return None
     return Source(path.resolve(), path.name)
 
 
-def _installed(path: Path) -> bool:
-    resolved = str(path.resolve())
+def installed(path: Path | str) -> bool:
+    """The standard library's or an installed package's file, not the user's code: the one rule,
+    for the snapshot and for what the memory estimate remembers (``estimate_memo``)."""
+    resolved = os.path.realpath(path)
+    return ("site-packages" in resolved or "dist-packages" in resolved
+            or resolved.startswith(_installed_roots()))
+
+
+@lru_cache(maxsize=1)
+def _installed_roots() -> tuple[str, ...]:
     roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
-    return "site-packages" in resolved or "dist-packages" in resolved or any(
-        resolved.startswith(str(Path(r).resolve()) + os.sep) for r in roots)
+    return tuple(os.path.realpath(root) + os.sep for root in roots)
 
 
 TARGET_KEYS = ("model", "task")  # config groups whose ``_target_`` names the user's code

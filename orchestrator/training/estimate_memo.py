@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import site
 import sys
 import sysconfig
@@ -34,12 +35,16 @@ from typing import Any
 import torch
 
 from orchestrator import atomic
+from orchestrator.launch import snapshot
 
 FORMAT = 1  # bump when what a file holds, or how the estimate is computed, changes meaning
 KEEP = 500  # files kept in the folder, newest first: each is a few kilobytes
+PREFIX = "estimate-"  # every file this module writes: only such names are ever pruned
+OURS = re.compile(rf"{PREFIX}[0-9a-f]{{32}}\.json")
 
 
 def installed_folders() -> list[str]:
+    """Where installed packages go: every ``pip install`` adds and removes folders here."""
     return [*site.getsitepackages(), site.getusersitepackages(),
             *(sysconfig.get_path(name) for name in ("purelib", "platlib"))]
 
@@ -53,19 +58,16 @@ def file_name(memo_key: str) -> str:
         except OSError:
             continue
     key = repr((FORMAT, memo_key, torch.__version__, sys.executable, packages))
-    return hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
+    return f"{PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
 def loaded_code() -> list[list[Any]]:
-    """``[path, size, mtime_ns]`` of each loaded module's file that is neither in the standard
-    library nor in an installed package (under 10 ms for 2,000 modules)."""
-    stdlib = [sysconfig.get_path(name) for name in ("stdlib", "platstdlib")]
-    folders = {p for path in [*stdlib, *installed_folders()] for p in (path, os.path.realpath(path))}
-    skip = tuple(folder.rstrip(os.sep) + os.sep for folder in folders)
+    """``[path, size, mtime_ns]`` of each loaded module's file that is the user's code, by
+    ``snapshot.installed``'s rule: neither the standard library's nor an installed package's."""
     seen = []
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if not isinstance(path, str) or path.startswith(skip):
+        if not isinstance(path, str) or snapshot.installed(path):
             continue
         try:
             info = os.stat(path)
@@ -105,11 +107,13 @@ def recall(folder: Path, name: str) -> dict[str, Any] | None:
 
 
 def remember(folder: Path, name: str, memo_key: str, found: dict[str, Any]) -> None:
-    """Write ``found`` whole (or not at all) and keep the folder to its newest ``KEEP`` files."""
+    """Write ``found`` whole (or not at all) and keep the folder to its newest ``KEEP`` files of
+    this module's names (``OURS``): whatever else the folder holds is never deleted."""
     try:
         atomic.write_json(folder / name, {"format": FORMAT, "written": time.time(), "memo_key": memo_key,
                                           "code": loaded_code(), **found}, durable=False)
-        files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        files = sorted((p for p in folder.glob(f"{PREFIX}*.json") if OURS.fullmatch(p.name)),
+                       key=lambda p: p.stat().st_mtime, reverse=True)
         for old in files[KEEP:]:
             old.unlink(missing_ok=True)
     except OSError:

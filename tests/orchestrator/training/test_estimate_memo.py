@@ -181,13 +181,21 @@ def test_a_process_group_running_here_is_not_remembered_as_the_steps(data: Path,
     assert memory_check(config(data, tmp_path, *fsdp), fresh_process=False).estimate is not None
 
 
-def test_the_folder_keeps_its_newest_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_folder_keeps_its_newest_files_and_never_deletes_anything_else(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory.estimate_cache`` may name a folder that holds the user's own files: older than
+    every estimate, and some named almost as ours, they are all kept."""
     monkeypatch.setattr(estimate_memo, "KEEP", 3)
-    for i in range(5):
-        estimate_memo.remember(tmp_path, f"{i}.json", "key", {"unavailable": str(i)})
-        os.utime(tmp_path / f"{i}.json", (1000 + i, 1000 + i))
-    estimate_memo.remember(tmp_path, "5.json", "key", {"unavailable": "5"})
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["3.json", "4.json", "5.json"]
+    names = [estimate_memo.file_name(f"step {i}") for i in range(6)]
+    foreign = ["results.json", "estimate-notours.json", f"x{names[0]}", names[0].upper()]
+    for name in foreign:
+        (tmp_path / name).write_text("{}")
+        os.utime(tmp_path / name, (1, 1))
+    for i, name in enumerate(names[:5]):
+        estimate_memo.remember(tmp_path, name, f"step {i}", {"unavailable": str(i)})
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    estimate_memo.remember(tmp_path, names[5], "step 5", {"unavailable": "5"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*foreign, *names[3:]])
 
 
 RECALL = textwrap.dedent('''
