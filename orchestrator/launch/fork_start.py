@@ -187,15 +187,23 @@ class ForkingController(Controller):
         self.stdouts = [p.stdout.open("a") for p in paths]
         self.stderrs = self.stdouts if self.stderr_to_stdout else [p.stderr.open("a") for p in paths]
         forked: dict[int, int] = {}
-        for k in range(self.ntasks):
-            sys.stdout.flush()  # nothing of the controller's is written again by a child
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                run_rank(k, self.pid, self.folder, self.stdouts[k], self.stderrs[k])
-            self.tasks.append(ForkedTask(pid))  # type: ignore[arg-type]  # poll and send_signal
-            forked[pid] = k
-        atomic.write_json(local_jobs.forked_ranks_file(self.folder, os.getpid()), forked, durable=False)
+        # The ranks wait at this gate until the list of them is written: a rank at work is always
+        # one that local_jobs.ranks can name (the fail-fast wait, `switchyard cancel`, rank ends).
+        gate = os.pipe()
+        try:
+            for k in range(self.ntasks):
+                sys.stdout.flush()  # nothing of the controller's is written again by a child
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    pass_gate(gate)
+                    run_rank(k, self.pid, self.folder, self.stdouts[k], self.stderrs[k])
+                self.tasks.append(ForkedTask(pid))  # type: ignore[arg-type]  # poll and send_signal
+                forked[pid] = k
+            atomic.write_json(local_jobs.forked_ranks_file(self.folder, os.getpid()), forked, durable=False)
+        finally:
+            for fd in gate:  # the write end's last copy closes: every rank passes
+                os.close(fd)
 
 
 def await_pickle(path: Path, timeout_s: float = 60.0) -> None:
@@ -206,6 +214,16 @@ def await_pickle(path: Path, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def pass_gate(gate: tuple[int, int]) -> None:
+    """In a forked child: wait until the controller closes the gate's write end (EOF), having
+    listed its ranks. Each child closes its own copy of that end first, or EOF would never come."""
+    read_end, write_end = gate
+    with contextlib.suppress(OSError):
+        os.close(write_end)
+        os.read(read_end, 1)
+        os.close(read_end)
 
 
 def run_rank(local_id: int, job_id: str, folder: Path, stdout: IO[Any], stderr: IO[Any]) -> None:

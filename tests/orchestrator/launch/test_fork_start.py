@@ -71,13 +71,32 @@ while not (folder / "seen").exists():
 """
 
 
+# Preloaded by the controller: its list of ranks is written a second late, as on a loaded machine.
+LIST_LATE = """
+import time
+from orchestrator import atomic
+write_json = atomic.write_json
+def late(path, *args, **kwargs):
+    if str(path).endswith("_forked_ranks.json"):
+        time.sleep(1.0)
+    return write_json(path, *args, **kwargs)
+atomic.write_json = late
+"""
+
+
 @pytest.mark.parametrize("setup", [[], ["export SWITCHYARD_TEST_SETUP=1"]])
-def test_forked_ranks_are_found_by_their_local_id(tmp_path: Path, setup: list[str]) -> None:
+def test_forked_ranks_are_found_by_their_local_id(tmp_path: Path, setup: list[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A forked rank's command line and environment are its controller's: the controller's list
     is what tells the fail-fast wait and ``switchyard run``'s rank ends which rank is which. With
-    setup lines (CUDA_VISIBLE_DEVICES by UUID) the job's id is a shell's, the controller its child."""
+    setup lines (CUDA_VISIBLE_DEVICES by UUID) the job's id is a shell's, the controller its child.
+    A rank runs only once it is on the list: here the list is written a second late, and ranks
+    that ran before it (the old order, which failed in CI) would be found as nothing."""
+    (tmp_path / "list_late.py").write_text(LIST_LATE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))  # for the controller
     folder = tmp_path / "jobs"
-    executor = ForkingLocalExecutor(folder, ["jobs.smoke"])
+    executor = ForkingLocalExecutor(folder, ["jobs.smoke", "list_late"])
     executor.update_parameters(tasks_per_node=2, nodes=1, timeout_min=5, setup=setup)
     job = executor.submit(exec, WAIT_TO_BE_SEEN)
     try:
