@@ -27,7 +27,14 @@ def accepts(old_state: str, old_requeues: int, new_state: str, new_requeues: int
     report); anything else may change freely: a running job goes back to PENDING when SLURM
     requeues it, and a TIMEOUT or PREEMPTED job may be requeued too. A stale live state written by
     a slower reconciler is corrected by the next one; a stale end would never be, so ends win.
+
+    CANCELLED stays, as SLURM keeps a cancelled job CANCELLED whatever its processes exit with:
+    a local job's ranks that leave on the cancel's SIGTERM with status 0 (or are killed at the
+    end of its grace) are seen ending by its submitter and by any reconciler, and whichever wrote
+    last used to win, so a cancelled job could read COMPLETED or FAILED.
     """
     if new_requeues != old_requeues:
         return new_requeues > old_requeues
+    if old_state == "CANCELLED":
+        return new_state == "CANCELLED"
     return old_state not in FINAL_STATES or new_state in FINAL_STATES

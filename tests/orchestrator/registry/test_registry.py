@@ -79,6 +79,25 @@ def test_an_end_is_never_undone_but_a_requeue_starts_a_new_life(tmp_path: Path) 
     assert not accepts("RUNNING", 2, "RUNNING", 1)
 
 
+def test_a_cancelled_job_stays_cancelled_whatever_its_ranks_exit_with(tmp_path: Path) -> None:
+    """``switchyard cancel`` records CANCELLED; the job's submitter, or a reconciler that read the
+    job before, then sees its ranks end (0 after the SIGTERM, or SIGKILL after the grace) and
+    records that end: it must not turn the cancel into COMPLETED or FAILED (a CI run read
+    COMPLETED). A requeue still starts a new life."""
+    with Registry(tmp_path / "r.db") as reg:
+        sweep_id = _sweep(reg, tmp_path, 1)
+        attempt_id = reg.claim(sweep_id, [0])[0]
+        reg.observe([Observation(attempt_id, "RUNNING")])
+        reg.observe([Observation(attempt_id, "CANCELLED", error="cancelled with switchyard cancel")])
+        assert reg.observe([Observation(attempt_id, "COMPLETED", exit_code=0)]) == 0
+        assert reg.observe([Observation(attempt_id, "FAILED", exit_code=137)]) == 0
+        latest = reg.latest_attempts(sweep_id)[0]
+        assert (latest.state, latest.exit_code, latest.error) == (
+            "CANCELLED", None, "cancelled with switchyard cancel")
+        assert reg.observe([Observation(attempt_id, "PENDING", requeues=1)]) == 1
+    assert accepts("COMPLETED", 0, "CANCELLED", 0) and accepts("FAILED", 0, "CANCELLED", 0)
+
+
 def test_only_failed_timed_out_and_cancelled_jobs_are_claimed_for_a_retry(tmp_path: Path) -> None:
     with Registry(tmp_path / "r.db") as reg:
         sweep_id = _sweep(reg, tmp_path, 5)
