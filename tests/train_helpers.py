@@ -15,6 +15,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import warm_start
+
 # What a test that is not about them can leave off: the memory estimate before submission (a fake-
 # tensor step), the telemetry sampler, and TensorBoard's import in rank 0. Their own tests set them.
 CHEAP = ("memory.estimate=off", "telemetry.enabled=false", "logger.tensorboard=false")
@@ -36,12 +38,18 @@ def train_command(*overrides: str, run_dir: Path | None = None, sweep_dir: Path 
 
 def run_train(*overrides: str, run_dir: Path | None = None, sweep_dir: Path | None = None,
               cache_dir: Path | None = None, multirun: bool = False, env: Mapping[str, str] | None = None,
-              timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run ``train_command(...)`` to its end; ``env`` adds to (or overrides) this environment."""
-    return subprocess.run(
-        train_command(*overrides, run_dir=run_dir, sweep_dir=sweep_dir, cache_dir=cache_dir,
-                      multirun=multirun),
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+              cwd: Path | None = None, timeout: float = 600, cold: bool = False,
+              ) -> subprocess.CompletedProcess[str]:
+    """Run ``train_command(...)`` to its end, as ``subprocess.run(capture_output=True, text=True)``
+    would; ``env`` adds to (or overrides) this environment. The process is forked from a warm one
+    where nothing it could see differs (``warm_start``); ``cold=True`` starts a new interpreter,
+    for the tests of what happens before and during its imports."""
+    command = train_command(*overrides, run_dir=run_dir, sweep_dir=sweep_dir, cache_dir=cache_dir,
+                            multirun=multirun)
+    full_env = {**os.environ, **(env or {})}
+    if cold:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+    return warm_start.run_module("jobs.train", command[3:], cwd=cwd, env=full_env, timeout=timeout)
 
 
 def refusal(*overrides: str, run_dir: Path | None = None) -> str:

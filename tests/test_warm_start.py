@@ -1,0 +1,44 @@
+"""The warm start of ``python -m jobs.train`` for tests (``tests/warm_start.py``): what a test reads
+from a forked process is what it would read from a new one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import warm_start
+
+
+def cold(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jobs.train", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=env)
+
+
+def test_a_warm_process_prints_and_exits_as_a_new_one(tmp_path: Path) -> None:
+    for args in (["--cfg", "job", "optim.lr=0.01"], ["optim.lr=nan"], ["no_such_key=1"]):
+        warm = warm_start.run_module("jobs.train", args, cwd=tmp_path)
+        new = cold(*args, cwd=tmp_path)
+        assert (warm.returncode, warm.stdout, warm.stderr) == (new.returncode, new.stdout, new.stderr), args
+
+
+def test_a_warm_process_has_the_tests_directory_and_environment(tmp_path: Path) -> None:
+    """Hydra's runtime section names the working directory; a variable the zygote never had is the
+    test's (and one the worker has since dropped is gone)."""
+    env = {**os.environ, "SWITCHYARD_PROBE": "from the test"}
+    args = ["--cfg", "all", "--resolve", "+probe=${oc.env:SWITCHYARD_PROBE,unset}"]
+    warm = warm_start.run_module("jobs.train", args, cwd=tmp_path, env=env)
+    assert warm.returncode == 0, warm.stderr
+    assert f"cwd: {tmp_path}" in warm.stdout and "probe: from the test" in warm.stdout
+    assert "probe: unset" in warm_start.run_module("jobs.train", args, cwd=tmp_path).stdout
+
+
+def test_a_variable_read_at_import_starts_a_new_process(tmp_path: Path) -> None:
+    """A torch on PYTHONPATH that is too old: only a new interpreter imports it, and refuses it."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('__version__ = "2.2.0"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = warm_start.run_module("jobs.train", [], cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode != 0 and "torch 2.2.0 is installed" in done.stderr
