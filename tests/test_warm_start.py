@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import warm_start
+from train_helpers import train_command
 
 
 def cold(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs.train", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=env)
+    return subprocess.run(train_command(*args), capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
 def test_a_warm_process_prints_and_exits_as_a_new_one(tmp_path: Path) -> None:

@@ -6,14 +6,12 @@ Skipped where no NVIDIA GPU is visible; ``make gpu-check`` runs it on a GPU node
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rank_helpers import one_rank, write_rows_dataset
+from train_helpers import run_train
 
 from orchestrator.config import DataConfig, LoggerConfig, MlpConfig, OptimConfig, TelemetryConfig, TrainConfig
 from orchestrator.training import metrics, preemption, runtime, trainer
@@ -118,10 +116,8 @@ def test_the_copy_stream_is_the_loaders_alone() -> None:
 
 def train(tmp_path: Path, *overrides: str) -> dict[str, object]:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "parallelism=gpu", "optim.max_steps=30",
-                           *overrides, "data.demo_num_samples=1024",
-                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=600, env=os.environ)
+    proc = run_train("parallelism=gpu", "optim.max_steps=30", *overrides, "data.demo_num_samples=1024",
+                     cache_dir=tmp_path / "cache", run_dir=run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(json.loads((run_dir / "summary.json").read_text()))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from train_helpers import run_train, train_command
 
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
 from orchestrator.launch import attach, dist_env, local_jobs, run_lock, submit
@@ -39,16 +40,16 @@ def test_torchrun_standalone_is_one_job_of_two_ranks(tmp_path: Path) -> None:
 
 def test_a_second_run_in_a_busy_run_directory_is_refused_before_submission(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "jobs.train", "data.demo_num_samples=512", "data.batch_size=16",
-               f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"]
-    first = subprocess.Popen([*command, "optim.max_steps=1000000"], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    common = ("data.demo_num_samples=512", "data.batch_size=16")
+    first = subprocess.Popen(train_command(*common, "optim.max_steps=1000000", cache_dir=tmp_path / "cache",
+                                           run_dir=run_dir),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.2)  # the first run's rank 0 holds the lock once it trains
-        second = subprocess.run([*command, "optim.max_steps=5"], capture_output=True, text=True,
-                                timeout=120)
+        second = run_train(*common, "optim.max_steps=5", cache_dir=tmp_path / "cache", run_dir=run_dir,
+                           timeout=120)
         assert first.poll() is None, "the first run must be unaffected"
     finally:
         first.terminate()

@@ -8,13 +8,13 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from train_helpers import run_train, train_command
 
 from orchestrator.launch import local_jobs
 from orchestrator.training.run_log import wandb_id
@@ -24,10 +24,7 @@ SMALL = ["data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=f
 
 def train(tmp_path: Path, run: str, *overrides: str, env: dict[str, str] | None = None
           ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.run.dir={tmp_path / run}", *overrides],
-        capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    return run_train(*SMALL, *overrides, cache_dir=tmp_path / "cache", run_dir=tmp_path / run, env=env)
 
 
 def jsonl(run_dir: Path, key: str) -> list[tuple[int, float]]:
@@ -74,8 +71,8 @@ def kill_at_step(tmp_path: Path, run: str, step: int, *overrides: str) -> None:
     """Start a long run and kill -9 the submitter and every rank once it logged ``step``."""
     run_dir = tmp_path / run
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.run.dir={run_dir}", "optim.max_steps=100000", *overrides],
+        train_command(*SMALL, "optim.max_steps=100000", *overrides, cache_dir=tmp_path / "cache",
+                      run_dir=run_dir),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
@@ -156,11 +153,9 @@ def test_wandb_offline_holds_the_config_and_the_history_and_a_resume_continues_i
 
 
 def test_sweep_points_are_separate_tensorboard_runs(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "-m", "optim.lr=0.001,0.003", "optim.max_steps=10",
-         *SMALL, f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-         "hydra.launcher.registry=" + str(tmp_path / "registry.db")],
-        capture_output=True, text=True, timeout=600)
+    proc = run_train("optim.lr=0.001,0.003", "optim.max_steps=10", *SMALL,
+                     "hydra.launcher.registry=" + str(tmp_path / "registry.db"),
+                     cache_dir=tmp_path / "cache", sweep_dir=tmp_path / "sweep", multirun=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").glob("*/tensorboard"))
     assert len(runs) == 2

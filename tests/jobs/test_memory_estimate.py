@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import cast
 
@@ -17,6 +15,7 @@ import pytest
 from fake_nvml import FakeGpu, FakeNvml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
+from train_helpers import run_train
 
 from jobs import train
 from orchestrator.config import ConfigError, TrainConfig
@@ -89,10 +88,9 @@ def test_warn_and_off_let_the_submission_go_on(tmp_path: Path) -> None:
 
 def test_a_run_prints_the_line_and_its_summary_keeps_the_estimate_beside_the_peak(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", *SMALL, "optim.max_steps=2",
-                           "telemetry.enabled=false", f"data.cache_dir={tmp_path / 'cache'}",
-                           f"memory.estimate_cache={tmp_path / 'memo'}",  # run here, not remembered
-                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600)
+    proc = run_train(*SMALL, "optim.max_steps=2", "telemetry.enabled=false",
+                     f"memory.estimate_cache={tmp_path / 'memo'}",  # run here, not remembered
+                     cache_dir=tmp_path / "cache", run_dir=run_dir)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"^memory: [\d.]+ MiB peak per rank of [\d.]+ GiB host memory per rank \(estimate\)$",
                      proc.stdout, re.MULTILINE), proc.stdout

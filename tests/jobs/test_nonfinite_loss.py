@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+from train_helpers import run_train
 
 from sharding import DatasetWriter
 
@@ -20,9 +20,7 @@ SMALL = ["data.batch_size=8", "log_every_steps=5", "logger=jsonl", "telemetry.en
 
 
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
-                           f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-                          capture_output=True, text=True, timeout=600)
+    return run_train(*SMALL, *overrides, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run")
 
 
 def rows_with_one_nan(path: Path, count: int = 64, bad: int = 5) -> Path:

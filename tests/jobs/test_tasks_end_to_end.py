@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_helpers import refusal
+from train_helpers import refusal, run_train
 
 from sharding import DatasetWriter
 
@@ -31,8 +31,9 @@ GPT = ["task=causal_lm", "model=gpt", "model.d_model=64", "model.num_layers=2", 
 
 def run(tmp_path: Path, name: str, *overrides: str, module: str = "jobs.train", env: dict | None = None,  # type: ignore[type-arg]
         ) -> subprocess.CompletedProcess[str]:
-    args = [f"hydra.run.dir={tmp_path / name}"] if module == "jobs.train" else []
-    return subprocess.run([sys.executable, "-m", module, *overrides, *args], capture_output=True,
+    if module == "jobs.train":
+        return run_train(*overrides, run_dir=tmp_path / name, env=env)
+    return subprocess.run([sys.executable, "-m", module, *overrides], capture_output=True,
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import run_train
 
 from orchestrator.training import TorchVersionError, check_torch_version
 
@@ -21,8 +20,7 @@ def test_jobs_train_under_torch_2_2_is_one_error_line(tmp_path: Path) -> None:
     fake.mkdir()
     (fake / "__init__.py").write_text('__version__ = "2.2.0"\n')  # no fully_shard, no distributed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    done = subprocess.run([sys.executable, "-m", "jobs.train"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = run_train(cwd=REPO, env=env, timeout=120, cold=True)  # a new interpreter imports the fake torch
     assert done.returncode != 0
     assert done.stderr.splitlines() == [
         "error: torch 2.2.0 is installed but Switchyard needs torch>=2.6 (fully_shard, FSDPModule, "

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from train_helpers import run_train
+
 
 def test_a_single_local_train_run_is_in_switchyard_status(tmp_path: Path) -> None:
     env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "optim.max_steps=4", "log_every_steps=2",
-                           "data.demo_num_samples=256", f"data.cache_dir={tmp_path / 'cache'}",
-                           f"hydra.run.dir={run_dir}"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_train("optim.max_steps=4", "log_every_steps=2", "data.demo_num_samples=256",
+                     cache_dir=tmp_path / "cache", run_dir=run_dir, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "job: 1/0" in proc.stdout
     status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"], env=env,
@@ -35,10 +35,8 @@ def test_a_single_local_train_run_is_in_switchyard_status(tmp_path: Path) -> Non
 
 def test_a_debug_run_is_not_recorded(tmp_path: Path) -> None:
     env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "cluster=debug", "optim.max_steps=2",
-                           "log_every_steps=1", "data.demo_num_samples=256",
-                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_train("cluster=debug", "optim.max_steps=2", "log_every_steps=1", "data.demo_num_samples=256",
+                     cache_dir=tmp_path / "cache", run_dir=tmp_path / "run", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status"], env=env,
                             capture_output=True, text=True, check=True)

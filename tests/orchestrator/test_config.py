@@ -4,6 +4,7 @@ import re
 
 import pytest
 from hydra import compose, initialize_config_module
+from train_helpers import run_train
 
 from jobs.train import load_config
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_configs
@@ -65,11 +66,7 @@ def test_tasks_per_node_is_gpus_or_processes() -> None:
 
 
 def test_cfg_job_prints_the_resolved_config_without_running() -> None:
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "--cfg", "job", "model=transformer",
-                           "optim.lr=0.01"], capture_output=True, text=True, timeout=120)
+    proc = run_train("--cfg", "job", "model=transformer", "optim.lr=0.01", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "_target_: jobs.models.RowTransformer" in proc.stdout and "lr: 0.01" in proc.stdout
     assert "run_dir:" not in proc.stdout  # printing the config submits nothing

@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import subprocess
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
+from train_helpers import run_train
 
 from orchestrator import config
 from orchestrator.config import FLOAT32_MAX, ConfigError, Range
@@ -100,9 +99,8 @@ def test_a_float_that_overflows_where_it_is_used_is_refused_from_the_command_lin
 
 
 def test_optim_lr_nan_is_one_error_line_from_jobs_train(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "optim.lr=nan",
-                           f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+    # the one test of jobs.train's exit code and one-line format in a new interpreter (cold)
+    proc = run_train("optim.lr=nan", run_dir=tmp_path, timeout=120, cold=True)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == \
         "error: optim.lr=nan is invalid: must be a finite number (try optim.lr=0.003)"

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
+from train_helpers import run_train
 
 from orchestrator import cli, entry
 from orchestrator.config import ConfigError
@@ -242,8 +243,7 @@ def test_the_same_checks_pass_a_valid_override(tmp_path: Path) -> None:
 
 def test_jobs_train_itself_exits_2_with_one_line(where: dict[str, str], tmp_path: Path) -> None:
     """Hydra's own errors (here: a run directory under a file) were several lines and exit 1."""
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", f"hydra.run.dir={where['under_file']}"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_train(f"hydra.run.dir={where['under_file']}", timeout=300, cwd=tmp_path)
     line = assert_one_error_line(proc.returncode, proc.stdout, proc.stderr)
     assert line == (f"error: cannot create the run directory '{where['under_file']}': Not a directory (try "
                     f"hydra.run.dir=<a directory you can write>, or hydra.sweep.dir= with -m)")

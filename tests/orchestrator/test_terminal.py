@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from train_helpers import run_train
+
 from orchestrator.terminal import printable, refuse_control
 
 ESC = "\x1b[2J\x1b[31m"  # clear the screen, then print in red
@@ -24,8 +26,7 @@ def test_arguments_with_control_characters_are_named_escaped() -> None:
 
 
 def test_the_training_job_refuses_them_before_hydra_echoes_them(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", f"data.path=/tmp/{ESC}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_train(f"data.path=/tmp/{ESC}", timeout=120)
     assert proc.returncode != 0
     assert "\x1b" not in proc.stdout + proc.stderr and "holds control characters" in proc.stderr
 
@@ -34,11 +35,9 @@ def test_an_error_that_carries_them_is_printed_escaped(tmp_path: Path) -> None:
     """A model module whose import fails with an escape sequence in its message (it could as well be
     a rank's log tail or a dataset's field name)."""
     (tmp_path / "hostile_model.py").write_text(f"raise ImportError({ESC + 'gone'!r})\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "model=custom", "model._target_=hostile_model.Net",
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    proc = run_train("model=custom", "model._target_=hostile_model.Net", cache_dir=tmp_path / "cache",
+                     run_dir=tmp_path / "run", timeout=300,
+                     env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "\\x1b[2J\\x1b[31mgone" in proc.stderr
     assert "\x1b" not in proc.stderr

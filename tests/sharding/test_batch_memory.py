@@ -17,6 +17,7 @@ import torch
 from batch_helpers import assert_batches_equal, varied_samples
 from hypothesis import given
 from hypothesis import strategies as st
+from train_helpers import train_command
 
 from sharding import DatasetError, RankDataset, ShardedSampler, make_loader, open_dataset
 from sharding.batch_memory import (
@@ -290,9 +291,9 @@ def test_rings_larger_than_shared_memory_are_refused_and_leave_nothing(tmp_path:
 
 
 def test_the_training_job_refuses_them_before_submitting(tmp_path: Path) -> None:
-    proc = run_with_small_shm("", "-m", "jobs.train", "data.num_workers=2", "data.batch_size=4096",
-                              "data.demo_num_samples=512", f"data.cache_dir={tmp_path / 'cache'}",
-                              f"hydra.run.dir={tmp_path / 'run'}")
+    command = train_command("data.num_workers=2", "data.batch_size=4096", "data.demo_num_samples=512",
+                            cache_dir=tmp_path / "cache", run_dir=tmp_path / "run")
+    proc = run_with_small_shm("", *command[1:])  # its own interpreter, in the namespace with a small /dev/shm
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: data.batch_size=4096 with data.num_workers=2 needs ")
     assert "(2 rank(s) x " in proc.stderr and not (tmp_path / "run" / "submitit").exists()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from train_helpers import run_train
 
 from orchestrator.launch import slurm_query
 
@@ -145,14 +146,14 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> No
 
 def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
-               "optim.max_steps=10", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
-               'cluster.sbatch_args=["--mail-type=NONE"]', *SMALL]
-    dry = subprocess.run([*command, "cluster.dry_run=true"], capture_output=True, text=True, timeout=300)
+    common = ["cluster=slurm", "parallelism.nodes=2", "optim.max_steps=10",
+              f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+              'cluster.sbatch_args=["--mail-type=NONE"]', *SMALL]
+    dry = run_train(*common, "cluster.dry_run=true", timeout=300)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "nothing was queued" in dry.stdout and not (run_dir / "submitit").exists()
     printed = dry.stdout[dry.stdout.index("#!/bin/bash"):]
-    real = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    real = run_train(*common, timeout=300)
     assert real.returncode == 0, real.stderr[-3000:]
     job_id = re.search(r"slurm_job_id: (\S+)", real.stdout).group(1)  # type: ignore[union-attr]
     submitted = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
@@ -166,11 +167,9 @@ def test_a_dependency_holds_the_job_until_its_predecessor_ends(tmp_path: Path) -
                            capture_output=True, text=True, check=True).stdout.strip()
     second = None
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "jobs.train", "cluster=slurm", "cluster.wait=false",
-             f"cluster.dependency=afterok:{first}", "optim.max_steps=5", *SMALL,
-             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-            capture_output=True, text=True, timeout=300)
+        proc = run_train("cluster=slurm", "cluster.wait=false", f"cluster.dependency=afterok:{first}",
+                         "optim.max_steps=5", *SMALL, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
+                         timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         second = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
         reason = subprocess.run(["squeue", "-h", "-j", second, "-o", "%T %r"], capture_output=True,

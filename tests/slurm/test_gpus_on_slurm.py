@@ -19,6 +19,7 @@ import cloudpickle
 import fake_nvml
 import pytest
 from fake_nvml import FakeGpu, FakeNvml
+from train_helpers import run_train
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import dist_env, slurm_query, submit
@@ -77,11 +78,9 @@ def test_more_gpus_than_a_node_has_are_refused_at_once() -> None:
 
 def test_the_training_job_requests_gpus_and_preflight_stops_without_a_driver(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism=gpu", "parallelism.nodes=2",
-         f"parallelism.gpus_per_node={GPUS_PER_NODE}", "optim.max_steps=5", "data.demo_num_samples=256",
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=600)
+    proc = run_train("cluster=slurm", "parallelism=gpu", "parallelism.nodes=2",
+                     f"parallelism.gpus_per_node={GPUS_PER_NODE}", "optim.max_steps=5",
+                     "data.demo_num_samples=256", cache_dir=tmp_path / "cache", run_dir=run_dir)
     job_id = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
     try:
         assert proc.returncode != 0

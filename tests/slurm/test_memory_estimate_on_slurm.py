@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import run_train
 
 pytestmark = [pytest.mark.slurm, pytest.mark.queues_nothing]  # dry runs and refusals
 
@@ -16,9 +16,8 @@ SMALL = ["model=transformer", "data.demo_num_samples=256", "data.batch_size=32",
 
 
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism=gpu", *SMALL,
-                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
-                           "cluster.dry_run=true", *overrides], capture_output=True, text=True, timeout=600)
+    return run_train("cluster=slurm", "parallelism=gpu", *SMALL, "cluster.dry_run=true", *overrides,
+                     cache_dir=tmp_path / "cache", run_dir=tmp_path / "run")
 
 
 def test_the_dry_run_prints_the_estimate_as_a_table(tmp_path: Path) -> None:

@@ -7,13 +7,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from process_helpers import running
 from slurm_helpers import release_requeue_hold
+from train_helpers import run_train
 
 from orchestrator.launch import slurm_query
 
@@ -27,9 +27,8 @@ LONG = ["cluster=slurm", "parallelism.nodes=2", "model=transformer", "optim.max_
 
 def train(tmp_path: Path, name: str, *overrides: str, timeout_s: float = 600
           ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs.train", *LONG, f"data.cache_dir={tmp_path / 'cache'}",
-                           f"hydra.run.dir={tmp_path / name}", *overrides],
-                          capture_output=True, text=True, timeout=timeout_s)
+    return run_train(*LONG, *overrides, cache_dir=tmp_path / "cache", run_dir=tmp_path / name,
+                     timeout=timeout_s)
 
 
 def submit_without_waiting(tmp_path: Path, name: str, *overrides: str) -> str:

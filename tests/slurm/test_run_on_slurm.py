@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from script_helpers import DDP_SCRIPT, SWEEP_SCRIPT
+from train_helpers import run_train
 
 from orchestrator.launch import slurm_query
 
@@ -93,10 +94,8 @@ def _times(job_id: str) -> tuple[float, float]:
 def test_a_single_train_job_not_waited_for_is_in_switchyard_status(
         tmp_path: Path, registry: dict[str, str], queued: list[str]) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "cluster=slurm", "cluster.wait=false",
-                           "optim.max_steps=20", f"data.cache_dir={tmp_path / 'cache'}",
-                           f"hydra.run.dir={run_dir}"], env=registry, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_train("cluster=slurm", "cluster.wait=false", "optim.max_steps=20",
+                     cache_dir=tmp_path / "cache", run_dir=run_dir, env=registry, timeout=300)
     job_id = job_id_of(proc, queued)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "switchyard status 1/0" in proc.stdout

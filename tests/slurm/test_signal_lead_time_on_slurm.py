@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import run_train
 
 from orchestrator.launch.signal_delay import fitting_s
 
@@ -18,12 +18,9 @@ pytestmark = pytest.mark.slurm
 def train(tmp_path: Path, queued: list[str], *overrides: str) -> subprocess.CompletedProcess[str]:
     run = tmp_path / "run"
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "jobs.train", "cluster=slurm", "checkpoint.every_steps=5",
-             "data.demo_num_samples=256", "telemetry.enabled=false",
-             f"cluster.snapshot.dir={tmp_path / 'store'}",
-             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}", *overrides],
-            capture_output=True, text=True, timeout=300)
+        return run_train("cluster=slurm", "checkpoint.every_steps=5", "data.demo_num_samples=256",
+                         "telemetry.enabled=false", f"cluster.snapshot.dir={tmp_path / 'store'}", *overrides,
+                         cache_dir=tmp_path / "cache", run_dir=run, timeout=300)
     finally:  # the job ids sbatch gave, for the fixture to cancel should the run not have ended
         queued += [p.name.split("_")[0] for p in (run / "submitit").glob("*_submission.sh")]
 

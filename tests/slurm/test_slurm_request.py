@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import submitit
+from train_helpers import run_train
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import slurm_query, slurm_request, submit
@@ -68,11 +68,8 @@ def test_a_request_that_fits_passes() -> None:
 def test_the_training_job_refuses_before_queueing(tmp_path: Path) -> None:
     """Before: accepted, PENDING (PartitionNodeLimit) forever, the client silent."""
     name = own_name()
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=3",
-         f"cluster.job_name={name}", f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300)
+    proc = run_train("cluster=slurm", "parallelism.nodes=3", f"cluster.job_name={name}",
+                     cache_dir=tmp_path / "cache", run_dir=tmp_path / "run", timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: SLURM would never start this job, so nothing was queued: "
                                   "parallelism.nodes=3"), proc.stderr

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import run_train
 
 from orchestrator.launch import slurm_query, snapshot
 
@@ -35,12 +36,9 @@ def user_code(tmp_path: Path) -> Path:
 def train(tmp_path: Path, src: Path, *overrides: str, timeout_s: float = 300
           ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(src), "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
-    return subprocess.run(
-        [sys.executable, "-m", "jobs.train", *(["-m"] if "-m" in overrides else []), "cluster=slurm",
-         MODEL, *SMALL,
-         f"cluster.snapshot.dir={tmp_path / 'store'}", f"data.cache_dir={tmp_path / 'cache'}",
-         *(o for o in overrides if o != "-m")],
-        capture_output=True, text=True, timeout=timeout_s, env=env)
+    return run_train("cluster=slurm", MODEL, *SMALL, f"cluster.snapshot.dir={tmp_path / 'store'}",
+                     f"data.cache_dir={tmp_path / 'cache'}", *(o for o in overrides if o != "-m"),
+                     multirun="-m" in overrides, timeout=timeout_s, env=env)
 
 
 def job_id_of(proc: subprocess.CompletedProcess[str]) -> str:

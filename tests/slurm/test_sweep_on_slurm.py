@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import sweep_probe
+from train_helpers import run_train
 
 from orchestrator.launch import slurm_query
 
@@ -35,6 +36,11 @@ def env_for(tmp_path: Path) -> dict[str, str]:
 def run(tmp_path: Path, *cmd: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(cmd), cwd=tmp_path, env=env_for(tmp_path), capture_output=True,
                           text=True, timeout=timeout_s)
+
+
+def train_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``python -m jobs.train -m OVERRIDES``, as ``run`` runs a command."""
+    return run_train(*overrides, multirun=True, cwd=tmp_path, env=env_for(tmp_path), timeout=300)
 
 
 def run_app(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -117,10 +123,9 @@ def test_the_saved_config_runs_even_if_the_yaml_changes_while_queued(tmp_path: P
 
 
 def test_the_issue_command_trains_every_point_and_status_shows_progress(tmp_path: Path) -> None:
-    proc = run(tmp_path, sys.executable, "-m", "jobs.train", "-m", "optim.lr=1e-3,3e-4",
-               "model=mlp,transformer", "cluster=slurm", "cluster.wait=false", *TRAIN_SMALL,
-               f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'multirun'}",
-               "cluster.job_name=sy-train")
+    proc = train_sweep(tmp_path, "optim.lr=1e-3,3e-4", "model=mlp,transformer", "cluster=slurm",
+                       "cluster.wait=false", *TRAIN_SMALL, f"data.cache_dir={tmp_path / 'cache'}",
+                       f"hydra.sweep.dir={tmp_path / 'multirun'}", "cluster.job_name=sy-train")
     sweep = sweep_id(proc)
     table = poll_until_ended(tmp_path, sweep, timeout_s=300)
     assert [row[1] for row in table.values()] == ["COMPLETED"] * 4, table
@@ -138,18 +143,17 @@ def test_the_issue_command_trains_every_point_and_status_shows_progress(tmp_path
 
 @pytest.mark.queues_nothing
 def test_bad_input_fails_at_submission_naming_the_point_and_queues_nothing(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "jobs.train", "-m", "cluster=slurm", *TRAIN_SMALL,
-            f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'multirun'}",
-            f"cluster.job_name=sy-bad-{os.getpid()}"]
-    partition = run(tmp_path, *base, "cluster.partition=debug,nope")
+    base = ["cluster=slurm", *TRAIN_SMALL, f"data.cache_dir={tmp_path / 'cache'}",
+            f"hydra.sweep.dir={tmp_path / 'multirun'}", f"cluster.job_name=sy-bad-{os.getpid()}"]
+    partition = train_sweep(tmp_path, *base, "cluster.partition=debug,nope")
     assert partition.returncode != 0
     assert "sweep point #1 (" in partition.stderr and "cluster.partition=nope)" in partition.stderr
     assert "cluster.partition='nope' is invalid: no such partition (partitions: debug) " \
            "(try cluster.partition=debug)" in partition.stderr
-    value = run(tmp_path, *base, "optim.lr=1e-3,-1")
+    value = train_sweep(tmp_path, *base, "optim.lr=1e-3,-1")
     assert value.returncode != 0 and "sweep point #1 (" in value.stderr
     assert "optim.lr=-1.0 is invalid: must be > 0 and <= 10" in value.stderr
-    unknown = run(tmp_path, *base, "model=mlp,transformer", "model.hidden_dim=32")  # mlp has it only
+    unknown = train_sweep(tmp_path, *base, "model=mlp,transformer", "model.hidden_dim=32")  # mlp has it only
     assert unknown.returncode != 0 and "model.hidden_dim" in unknown.stderr
     queued = subprocess.run(["squeue", "-h", "-n", f"sy-bad-{os.getpid()}"], capture_output=True,
                             text=True, check=True).stdout

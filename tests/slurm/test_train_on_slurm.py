@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import run_train, train_command
 
 from orchestrator.launch import slurm_query
 
@@ -23,11 +24,8 @@ SMALL = ["optim.max_steps=40", "data.demo_num_samples=512", "data.batch_size=16"
 def test_two_nodes_two_ranks_train_to_a_lower_loss(tmp_path: Path, strategy: str) -> None:
     run_dir = tmp_path / "run"
     env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2", *SMALL,
-         f"parallelism.strategy={strategy}", f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=600, env=env)
+    proc = run_train("cluster=slurm", "parallelism.nodes=2", *SMALL, f"parallelism.strategy={strategy}",
+                     cache_dir=tmp_path / "cache", run_dir=run_dir, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
     # NODE, STARTED and RUNTIME of the job's row were empty: only `switchyard run` ranks reported
@@ -51,10 +49,8 @@ def test_two_nodes_two_ranks_train_to_a_lower_loss(tmp_path: Path, strategy: str
 
 
 def test_not_waiting_returns_after_submission(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "cluster=slurm", "cluster.wait=false", *SMALL,
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300)
+    proc = run_train("cluster=slurm", "cluster.wait=false", *SMALL, cache_dir=tmp_path / "cache",
+                     run_dir=tmp_path / "run", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
     assert "not waiting" in proc.stdout
@@ -71,10 +67,9 @@ def test_a_frozen_rank_is_named_on_slurm(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2",
-         "optim.max_steps=1000000", "data.demo_num_samples=512", "data.batch_size=16",
-         "telemetry.enabled=false", "cluster.collective_timeout_s=8",
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        train_command("cluster=slurm", "parallelism.nodes=2", "optim.max_steps=1000000",
+                      "data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=false",
+                      "cluster.collective_timeout_s=8", cache_dir=tmp_path / "cache", run_dir=run_dir),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline, record = time.monotonic() + 240, {"step": -1}
@@ -102,12 +97,10 @@ def test_forked_and_started_ranks_train_bit_identically_on_slurm(tmp_path: Path,
     (spawn): the same losses and weights to the last bit, eval included. Both queued at once."""
     jobs = {}
     for start in ("auto", "spawn"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "jobs.train", "cluster=slurm", "parallelism.nodes=2", "cluster.wait=false",
-             "optim.max_steps=12", "data.demo_num_samples=512", "data.batch_size=16", "eval_every_steps=6",
-             "deterministic=true", "telemetry.enabled=false", f"cluster.rank_start={start}",
-             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / start}"],
-            capture_output=True, text=True, timeout=300)
+        proc = run_train("cluster=slurm", "parallelism.nodes=2", "cluster.wait=false", "optim.max_steps=12",
+                         "data.demo_num_samples=512", "data.batch_size=16", "eval_every_steps=6",
+                         "deterministic=true", "telemetry.enabled=false", f"cluster.rank_start={start}",
+                         cache_dir=tmp_path / "cache", run_dir=tmp_path / start, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         jobs[start] = re.search(r"slurm_job_id: (\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
         queued.append(jobs[start])

@@ -7,11 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from train_helpers import CHEAP
+from train_helpers import CHEAP, run_train, train_command
 
 from orchestrator.launch import local_jobs
 from orchestrator.launch.heartbeat import Beat, Heartbeat, read_beats, verdict
@@ -59,9 +58,9 @@ def test_a_frozen_rank_is_named_and_the_failure_reads_as_a_failure(tmp_path: Pat
     KeyboardInterrupt traceback from submitit's controller on the user's terminal."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", "optim.max_steps=1000000", "data.demo_num_samples=512",
-         "data.batch_size=16", "telemetry.enabled=false", "cluster.collective_timeout_s=6",
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        train_command("optim.max_steps=1000000", "data.demo_num_samples=512", "data.batch_size=16",
+                      "telemetry.enabled=false", "cluster.collective_timeout_s=6",
+                      cache_dir=tmp_path / "cache", run_dir=run_dir),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         frozen = _pid_once_training(run_dir / "heartbeat" / "rank-1.json", proc)
@@ -87,13 +86,11 @@ def test_a_rank_late_to_its_first_step_is_not_a_hang(tmp_path: Path) -> None:
     shared file system, a checkpoint's load). Until the first step ends they wait
     ``cluster.init_timeout_s``; after it, a frozen rank is still named within the short timeout
     (the test above)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "optim.max_steps=3", "data.demo_num_samples=512",
-         "data.batch_size=16", *CHEAP, "cluster.collective_timeout_s=2", "model=custom",
-         "model._target_=model_helpers.SlowToBuildOnRank1", f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
+    run = run_train("optim.max_steps=3", "data.demo_num_samples=512", "data.batch_size=16", *CHEAP,
+                    "cluster.collective_timeout_s=2", "model=custom",
+                    "model._target_=model_helpers.SlowToBuildOnRank1", cache_dir=tmp_path / "cache",
+                    run_dir=tmp_path / "run", timeout=300,
+                    env={"PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
 

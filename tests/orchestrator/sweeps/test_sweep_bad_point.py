@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from train_helpers import run_train
+
 
 def test_unknown_override_in_one_point_names_the_point(tmp_path: Path) -> None:
     env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
     # model.hidden_dim exists for the MLP, not for the transformer: only point #1 is bad.
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "-m", "cluster=local", "model=mlp,transformer",
-         "model.hidden_dim=8", "cluster.wait=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    proc = run_train("cluster=local", "model=mlp,transformer", "model.hidden_dim=8", "cluster.wait=false",
+                     sweep_dir=tmp_path / "sweep", multirun=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode != 0
     assert "sweep point #1 (cluster=local model=transformer model.hidden_dim=8" in proc.stderr
     assert "Could not override 'model.hidden_dim'" in proc.stderr

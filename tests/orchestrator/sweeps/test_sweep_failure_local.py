@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from train_helpers import run_train
+
 RANK_1_FAILS = '''
 import torch.distributed as dist
 
@@ -33,12 +35,10 @@ def test_a_blocking_sweep_names_the_rank_that_failed_first(tmp_path: Path) -> No
     paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p),
            "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "-m", "cluster=local", "parallelism.procs_per_node=2",
-         "model=custom", "model._target_=rank1fails.Net", "optim.max_steps=20", "seed=1",
-         "data.demo_num_samples=256", f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        env=env, capture_output=True, text=True, timeout=600)
+    proc = run_train("cluster=local", "parallelism.procs_per_node=2", "model=custom",
+                     "model._target_=rank1fails.Net", "optim.max_steps=20", "seed=1",
+                     "data.demo_num_samples=256", cache_dir=tmp_path / "cache", sweep_dir=tmp_path / "sweep",
+                     multirun=True, env=env)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "JobFailedError: " in proc.stderr, proc.stderr[-3000:]
     error = proc.stderr[proc.stderr.rindex("JobFailedError: "):]  # what the sweep ended with

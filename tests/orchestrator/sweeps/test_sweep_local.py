@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 import sweep_probe
+from train_helpers import run_train, train_command
 
 from orchestrator.registry.db import Registry
 from orchestrator.sweeps import status as sweep_status
@@ -214,11 +215,9 @@ def test_cancel_stops_local_jobs_even_when_they_ignore_sigterm(tmp_path: Path) -
 def test_cancel_stops_a_local_training_job_at_a_step_boundary_with_a_checkpoint(tmp_path: Path) -> None:
     """The trainer acts on cancel's SIGTERM as on SLURM preemption: all ranks stop at the same
     step and rank 0 checkpoints, well before the grace period would have SIGKILLed them."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "-m", "cluster=local", "cluster.wait=false",
-         "optim.max_steps=1000000", "log_every_steps=1", f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.sweep.dir={tmp_path / 'multirun'}"],
-        env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = run_train("cluster=local", "cluster.wait=false", "optim.max_steps=1000000", "log_every_steps=1",
+                     cache_dir=tmp_path / "cache", sweep_dir=tmp_path / "multirun", multirun=True,
+                     env=env_for(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = tmp_path / "multirun" / "0" / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -242,8 +241,8 @@ def test_a_cancelled_blocking_local_run_reports_a_cancellation_with_where_it_sto
     the step and the checkpoint, exit 143, and CANCELLED with the same words in status."""
     run_dir = tmp_path / "run"
     submitter = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", "cluster=local", "optim.max_steps=1000000", "log_every_steps=1",
-         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"],
+        train_command("cluster=local", "optim.max_steps=1000000", "log_every_steps=1",
+                      cache_dir=tmp_path / "cache", run_dir=run_dir),
         env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +144,10 @@ def test_a_raw_hugging_face_causal_lm_trains_as_its_logits_wrapper_does(data: di
     for name, extra in (("raw", ["model._target_=hf_causal_lm.gpt2"]),
                         ("wrapped", ["model._target_=hfwrap.wrapped_gpt2"]),
                         ("fsdp", ["model._target_=hf_causal_lm.gpt2", "parallelism.strategy=fsdp"])):
-        proc = subprocess.run(
-            [sys.executable, "-m", "jobs.train", "task=causal_lm", "model=custom",
-             *extra, f"data.path={data['causal_lm']}",
-             "task.vocab_size=50", "data.seq_len=8", "data.batch_size=4", "optim.max_steps=6",
-             "deterministic=true", "logger=jsonl", "log_every_steps=1", *CHEAP,
-             f"hydra.run.dir={tmp_path / name}"],
-            capture_output=True, text=True, timeout=600, env=env)
+        proc = run_train("task=causal_lm", "model=custom", *extra, f"data.path={data['causal_lm']}",
+                         "task.vocab_size=50", "data.seq_len=8", "data.batch_size=4", "optim.max_steps=6",
+                         "deterministic=true", "logger=jsonl", "log_every_steps=1", *CHEAP,
+                         run_dir=tmp_path / name, env=env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         done = json.loads((tmp_path / name / "summary.json").read_text())
         assert done["world_size"] == 2 and done["steps"] == 6
