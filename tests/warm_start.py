@@ -66,6 +66,9 @@ def _warm_allowed(env: Mapping[str, str]) -> bool:
 
 
 _ZYGOTE: Zygote | None = None
+# The CPU seconds of the processes forked for this worker so far, and of what they waited for: the
+# zygote reaps them, so they are not in this process's RUSAGE_CHILDREN (the CPU ledger adds them).
+CHILDREN_CPU_S = 0.0
 
 
 def _zygote() -> Zygote | None:
@@ -138,7 +141,10 @@ class Zygote:
         conn.close()
         if not line:
             raise RuntimeError(f"the test zygote stopped before reporting pid {pid}'s end")
-        code = os.waitstatus_to_exitcode(int(json.loads(line)["status"]))
+        ended = json.loads(line)
+        global CHILDREN_CPU_S
+        CHILDREN_CPU_S += float(ended["cpu_s"])
+        code = os.waitstatus_to_exitcode(int(ended["status"]))
         return subprocess.CompletedProcess(command, code, _text(out), _text(err))
 
 
@@ -203,13 +209,14 @@ def serve(path: str, parent: int) -> None:
                 except OSError:  # the test went away mid-request: it reads no answer
                     conn.close()
             while children:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
                 if pid == 0:
                     break
                 ended = children.pop(pid, None)
-                if ended is not None:
+                if ended is not None:  # its CPU, with what it waited for (the local job under it)
+                    reply = {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime}
                     with contextlib.suppress(OSError):
-                        ended.sendall(json.dumps({"status": status}).encode() + b"\n")
+                        ended.sendall(json.dumps(reply).encode() + b"\n")
                     ended.close()
 
 
@@ -266,6 +273,7 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
         cwd = str(request["cwd"])
         os.chdir(cwd)
         sys.path[0] = cwd  # what `python -m` puts first
+        sys.modules.pop(__name__, None)  # the zygote's own module is no module of the job's
         random.seed()  # a new interpreter's seeds, not the zygote's
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
