@@ -44,8 +44,13 @@ def test_the_helper_checkpoints_on_sigusr2_and_the_job_is_requeued_and_resumes(
     text = logs(run_dir)
     assert states[job_id] == "COMPLETED", text[-3000:]
     assert f"switchyard: requeueing job {job_id}: the command asked to be requeued" in text
-    for rank in (0, 1):
-        saved = re.search(rf"rank {rank} checkpointed at step (\d+) \(time_limit\)", text)
+    # Rank 0 asks for the requeue once it has checkpointed, and the requeue SIGTERMs every rank: a
+    # rank whose time-limit signal came later than that (slurmd signals each node on its own; a full
+    # run on the busy 2-core machine saw it) checkpoints on the SIGTERM, which the helper calls
+    # preemption.
+    # Either way it saves, and resumes exactly there.
+    for rank, reasons in ((0, "time_limit"), (1, "time_limit|preempted")):
+        saved = re.search(rf"rank {rank} checkpointed at step (\d+) \(({reasons})\)", text)
         assert saved is not None, text[-3000:]
         assert f"rank {rank} starts at step {saved.group(1)}, restart 1" in text  # resumed, not restarted
         assert (run_dir / f"final-{rank}.json").read_text() == '{"step": 300}'
