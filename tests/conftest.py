@@ -94,7 +94,7 @@ def cluster_lock(exclusive: bool) -> Iterator[None]:
 
 @pytest.fixture
 def cluster_held(request: pytest.FixtureRequest) -> Iterator[None]:
-    with cluster_lock(exclusive=request.node.get_closest_marker("cycles_cluster") is not None):
+    with cluster_lock(exclusive=cycles(request.node)):
         yield
 
 
@@ -108,12 +108,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     most of their time is waiting for SLURM, so they run on every worker at once from the start.
     The partition oversubscribes (``OverSubscribe=FORCE:4``), so neighbours' jobs start beside
     each other; every SLURM test looks only at its own jobs. Each holds the cluster lock shared
-    while it runs; the one test that stops and restarts the cluster holds it alone."""
+    while it runs; the one test that stops and restarts the cluster holds it alone, so it comes
+    last, in a group of its own: among the SLURM tests it waited (holding its worker) for every
+    test running beside it, the longest of them minutes, while the workers that reached their next
+    SLURM test waited for it."""
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.fixturenames[:0] = ["slurm_cluster", "cluster_held"]  # type: ignore[attr-defined]
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: not queues_jobs(item))  # stable: in order otherwise
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(f"{module}::cycles" if cycles(item) else module))
+    items.sort(key=lambda item: (cycles(item), not queues_jobs(item)))  # stable: in order otherwise
+
+
+def cycles(item: pytest.Item) -> bool:
+    return item.get_closest_marker("cycles_cluster") is not None
 
 
 # SWITCHYARD_TEST_CPU=FILE: one JSON line per test phase with the CPU seconds it cost, its own and
