@@ -41,3 +41,22 @@ def test_a_variable_read_at_import_starts_a_new_process(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     done = warm_start.run_module("jobs.train", [], cwd=tmp_path, env=env, timeout=120)
     assert done.returncode != 0 and "torch 2.2.0 is installed" in done.stderr
+
+
+def test_a_folder_put_before_the_path_is_imported_from_in_a_warm_process(tmp_path: Path) -> None:
+    """A test's own model on PYTHONPATH: the child puts the folder where the interpreter would, so
+    the job imports the model, and the process is still a fork (its CPU comes back from the zygote)."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "probe_model.py").write_text("from jobs.models import RowPoolingMLP\n\n\n"
+                                         "class Net(RowPoolingMLP):\n    pass\n")
+    path = os.pathsep.join(p for p in (str(extra), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    forked_before = warm_start.CHILDREN_CPU_S
+    done = warm_start.run_module("jobs.train", [
+        "cluster=debug", "model=custom", "model._target_=probe_model.Net", "optim.max_steps=1",
+        "memory.estimate=off", "telemetry.enabled=false", "logger.tensorboard=false",
+        "data.demo_num_samples=256",
+        f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert forked_before < warm_start.CHILDREN_CPU_S, "started cold: the folder was refused"

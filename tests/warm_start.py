@@ -50,18 +50,18 @@ def run_module(module: str, args: Sequence[str], *, cwd: Path | str | None = Non
     full_env = dict(os.environ if env is None else env)
     where = str(Path(cwd) if cwd is not None else Path.cwd())
     command = [sys.executable, "-m", module, *args]
-    zygote = _zygote() if module in WARM_IMPORTS and _warm_allowed(full_env) else None
-    if zygote is None:
+    zygote = _zygote() if module in WARM_IMPORTS and os.environ.get("SWITCHYARD_TEST_COLD") != "1" else None
+    added = zygote.added_path(full_env, where) if zygote is not None and _warm_allowed(full_env) else None
+    if zygote is None or added is None:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=where,
                               env=full_env)
-    return zygote.run(command, module, list(args), where, full_env, timeout)
+    return zygote.run(command, module, list(args), where, full_env, added, timeout)
 
 
 def _warm_allowed(env: Mapping[str, str]) -> bool:
-    if os.environ.get("SWITCHYARD_TEST_COLD") == "1":
-        return False
+    """Whether every variable that differs from the zygote's may: PYTHONPATH is checked on its own."""
     base = Zygote.base_env()
-    changed = {k for k in set(env) | set(base) if env.get(k) != base.get(k)}
+    changed = {k for k in set(env) | set(base) if env.get(k) != base.get(k)} - {"PYTHONPATH"}
     return all(k in WARM_SAFE or k.startswith(WARM_SAFE_PREFIXES) for k in changed)
 
 
@@ -91,6 +91,7 @@ class Zygote:
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="zygote-")
+        self.imported: frozenset[str] | None = None  # the top-level modules it has imported
         atexit.register(shutil.rmtree, self.folder, True)
         self.path = os.path.join(self.folder, "socket")
         # OpenBLAS starts its thread pool when numpy is imported: one thread per core, unless told
@@ -114,14 +115,35 @@ class Zygote:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def added_path(self, env: Mapping[str, str], cwd: str) -> list[str] | None:
+        """The folders a test's PYTHONPATH puts before the zygote's own, as the interpreter would
+        put them on ``sys.path`` (an empty entry is the directory, a relative one under it); None
+        where it changes more than that, or where one of them holds a module the zygote has
+        imported (a fake torch): a new interpreter would import that one, a fork never could."""
+        given = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+        base = self.base_env().get("PYTHONPATH")
+        own = base.split(os.pathsep) if base else []
+        if given[len(given) - len(own):] != own:
+            return None
+        added = [os.path.join(cwd, p) if p else cwd for p in given[:len(given) - len(own)]]
+        if self.imported is None:
+            self.imported = frozenset(json.loads(Path(self.folder, "imported.json").read_text()))
+        for folder in added:
+            with contextlib.suppress(OSError):
+                names = {n.split(".")[0] for n in os.listdir(folder)}
+                if names & self.imported:
+                    return None
+        return added
+
     def run(self, command: list[str], module: str, args: list[str], cwd: str, env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess[str]:
+            path: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
-            request = json.dumps({"module": module, "args": args, "cwd": cwd, "env": env}).encode()
+            request = json.dumps({"module": module, "args": args, "cwd": cwd, "env": env,
+                                  "path": path}).encode()
             socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [out_w, err_w])
         finally:
             os.close(out_w)
@@ -194,6 +216,9 @@ def serve(path: str, parent: int) -> None:
     base = json.loads(os.environ["SWITCHYARD_ZYGOTE_ENV"])
     os.environ.clear()
     os.environ.update(base)  # the worker's, exactly
+    # What a folder on a test's PYTHONPATH must not hold (this module is dropped in each child).
+    imported = sorted({name.split(".")[0] for name in sys.modules} - {__name__, "__main__"})
+    Path(os.path.dirname(path), "imported.json").write_text(json.dumps(imported))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)
@@ -272,7 +297,9 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
         os.environ.update(dict(request["env"]))  # type: ignore[call-overload]
         cwd = str(request["cwd"])
         os.chdir(cwd)
-        sys.path[0] = cwd  # what `python -m` puts first
+        sys.path[0] = cwd  # what `python -m` puts first, then the test's PYTHONPATH before the zygote's
+        sys.path[1:1] = list(request["path"])  # type: ignore[call-overload]
+        __import__("importlib").invalidate_caches()
         sys.modules.pop(__name__, None)  # the zygote's own module is no module of the job's
         random.seed()  # a new interpreter's seeds, not the zygote's
         if "numpy" in sys.modules:
