@@ -60,3 +60,14 @@ def test_a_folder_put_before_the_path_is_imported_from_in_a_warm_process(tmp_pat
         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert forked_before < warm_start.CHILDREN_CPU_S, "started cold: the folder was refused"
+
+
+def test_a_zygote_that_does_not_answer_costs_a_cold_start_not_the_test(tmp_path: Path) -> None:
+    """Its socket gone (a zygote killed, say): the run starts cold, and the next one a new zygote."""
+    zygote = warm_start._zygote()
+    assert zygote is not None
+    zygote.path = str(tmp_path / "no-socket")
+    done = warm_start.run_module("jobs.train", ["optim.lr=nan"], cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("error: optim.lr=nan is invalid")
+    zygote.process.wait(timeout=30)
+    assert warm_start._zygote() is not zygote

@@ -145,11 +145,20 @@ class Zygote:
             request = json.dumps({"module": module, "args": args, "cwd": cwd, "env": env,
                                   "path": path}).encode()
             socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [out_w, err_w])
+        except OSError:  # the zygote is gone (killed, out of memory): nothing ran, so start it cold
+            pass
         finally:
             os.close(out_w)
             os.close(err_w)
         replies = conn.makefile("r")
-        pid = int(json.loads(replies.readline())["pid"])
+        try:
+            pid = int(json.loads(replies.readline())["pid"])
+        except (OSError, ValueError):  # no fork answered: nothing ran, so start it cold
+            for fd in (out_r, err_r):
+                os.close(fd)
+            conn.close()
+            self.process.kill()
+            return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
         deadline = time.monotonic() + timeout
         try:
             out, err = _read_to_end((out_r, err_r), deadline)
