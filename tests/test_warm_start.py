@@ -50,8 +50,8 @@ def test_a_folder_put_before_the_path_is_imported_from_in_a_warm_process(tmp_pat
     extra.mkdir()
     (extra / "probe_model.py").write_text("from jobs.models import RowPoolingMLP\n\n\n"
                                          "class Net(RowPoolingMLP):\n    pass\n")
-    path = os.pathsep.join(p for p in (str(extra), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    base = warm_start.Zygote.base_env()  # only PYTHONPATH differs, whatever earlier tests left behind
+    env = {**base, "PYTHONPATH": os.pathsep.join(p for p in (str(extra), base.get("PYTHONPATH")) if p)}
     forked_before = warm_start.CHILDREN_CPU_S
     done = warm_start.run_module("jobs.train", [
         "cluster=debug", "model=custom", "model._target_=probe_model.Net", "optim.max_steps=1",
