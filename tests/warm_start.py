@@ -291,6 +291,7 @@ def _fork_child(conn: socket.socket, listener: socket.socket, children: dict[int
 def _become(request: dict[str, object], fds: list[int]) -> None:
     """In the child: the test's pipes on fds 1 and 2, its environment, directory and command line;
     then the module as ``python -m`` runs it, and the interpreter's exit."""
+    import importlib.util
     import random
     import runpy
     import threading
@@ -314,18 +315,14 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         module = str(request["module"])
-        spec_origin = __import__("importlib.util").util.find_spec(module).origin
+        spec_origin = str(importlib.util.find_spec(module).origin)  # type: ignore[union-attr]
         sys.argv = [spec_origin, *map(str, request["args"])]  # type: ignore[call-overload]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
+    except SystemExit as e:  # the status the interpreter gives it, as a forked rank's exit does
+        from orchestrator.launch.fork_start import exit_code
+
+        code = exit_code(e)
     except BaseException:  # as the interpreter does: the traceback, exit 1
         traceback.print_exc()
     finally:
