@@ -67,7 +67,9 @@ def test_a_zygote_that_does_not_answer_costs_a_cold_start_not_the_test(tmp_path:
     zygote = warm_start._zygote()
     assert zygote is not None
     zygote.path = str(tmp_path / "no-socket")
-    done = warm_start.run_module("jobs.train", ["optim.lr=nan"], cwd=tmp_path)
+    # The zygote's own environment, so the run asks it (whatever earlier tests left in os.environ).
+    done = warm_start.run_module("jobs.train", ["optim.lr=nan"], cwd=tmp_path,
+                                 env=warm_start.Zygote.base_env())
     assert done.returncode == 2 and done.stderr.startswith("error: optim.lr=nan is invalid")
     zygote.process.wait(timeout=30)
     assert warm_start._zygote() is not zygote
