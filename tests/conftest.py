@@ -55,6 +55,23 @@ def isolated_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 
 
 @pytest.fixture(autouse=True)
+def isolated_environment() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it. Code a test runs in this process may set a
+    variable a rank needs (``NCCL_DEBUG_FILE``, ``CUBLAS_WORKSPACE_CONFIG``, torch's inductor its
+    own), and ``monkeypatch.delenv`` of an unset variable undoes nothing: left behind, it changed
+    every later test on the worker, and sent their ``jobs.train`` runs to a new interpreter instead
+    of the warm start (whose zygote takes this environment, as the first test found it)."""
+    import warm_start
+
+    saved = dict(os.environ)
+    warm_start.Zygote.base_env()
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def isolated_hydra_version_base() -> Iterator[None]:
     """Hydra keeps ``version_base`` in a process-wide singleton: a test that composes with
     version_base="1.3" (no chdir) would otherwise change the defaults for every later test, e.g.
@@ -125,7 +142,9 @@ def cycles(item: pytest.Item) -> bool:
 
 
 # SWITCHYARD_TEST_CPU=FILE: one JSON line per test phase with the CPU seconds it cost, its own and
-# its waited-for processes' (a jobs.train and the local ranks it waited for), beside its wall time.
+# its waited-for processes' (a jobs.train and the local ranks it waited for), beside its wall time,
+# when it ended, on which worker (the timeline: which tests run alone at the end), and how many of
+# its `jobs.train` runs started a new interpreter instead of the warm start (`cold_starts`).
 # The suite is bound by CPU on two cores, so this, not --durations, says which tests to make
 # cheaper (docs/development.md). SLURM jobs run under slurmd and are not in it.
 _CPU_LEDGER = os.environ.get("SWITCHYARD_TEST_CPU")
@@ -141,6 +160,11 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + forked
 
 
+def _cold_starts() -> int:
+    warm = sys.modules.get("warm_start")
+    return warm.COLD_STARTS if warm is not None else 0
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     if not _CPU_LEDGER:
@@ -148,8 +172,10 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         return
     import json
     import time
-    cpu, wall = _cpu_s(), time.monotonic()
+    cpu, wall, cold = _cpu_s(), time.monotonic(), _cold_starts()
     yield
     with open(_CPU_LEDGER, "a") as ledger:
         ledger.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_s() - cpu, 2),
-                                 "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
+                                 "wall_s": round(time.monotonic() - wall, 2), "ended": round(time.time(), 1),
+                                 "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                                 "cold_starts": _cold_starts() - cold}) + "\n")

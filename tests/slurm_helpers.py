@@ -36,3 +36,15 @@ def wait_for(path: Path, ok: Callable[[str], bool] = lambda text: True, timeout_
 def logs(run_dir: Path) -> str:
     """Every rank's output and error log of a ``switchyard run`` job, in one text."""
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob("*_log.*")))
+
+
+def job_story(job_id: str, run_dir: Path, lines: int = 25) -> str:
+    """What a failing SLURM test prints: every life of the job as accounting has it (``sacct
+    --duplicates``: a requeued job's earlier lives too) and the last lines of each rank's logs."""
+    lives = subprocess.run(["sacct", "-D", "-n", "-P", "-o", "JobID,State,ExitCode,Start,End,NodeList",
+                            "-j", job_id], capture_output=True, text=True).stdout
+    parts = [f"sacct -D -j {job_id}:\n{lives}"]
+    for path in sorted((run_dir / "submitit").glob("*_log.*")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"== {path.name}\n" + "\n".join(tail))
+    return "\n".join(parts)

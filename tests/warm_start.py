@@ -53,6 +53,9 @@ def run_module(module: str, args: Sequence[str], *, cwd: Path | str | None = Non
     zygote = _zygote() if module in WARM_IMPORTS and os.environ.get("SWITCHYARD_TEST_COLD") != "1" else None
     added = zygote.added_path(full_env, where) if zygote is not None and _warm_allowed(full_env) else None
     if zygote is None or added is None:
+        if module in WARM_IMPORTS:
+            global COLD_STARTS
+            COLD_STARTS += 1
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=where,
                               env=full_env)
     return zygote.run(command, module, list(args), where, full_env, added, timeout)
@@ -69,6 +72,9 @@ _ZYGOTE: Zygote | None = None
 # The CPU seconds of the processes forked for this worker so far, and of what they waited for: the
 # zygote reaps them, so they are not in this process's RUSAGE_CHILDREN (the CPU ledger adds them).
 CHILDREN_CPU_S = 0.0
+# How many runs of a WARM_IMPORTS module started a new interpreter instead (the CPU ledger says
+# which tests: an environment that differs, a cold=True run, SWITCHYARD_TEST_COLD).
+COLD_STARTS = 0
 
 
 def _zygote() -> Zygote | None:

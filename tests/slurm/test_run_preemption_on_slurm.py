@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from script_helpers import IGNORING_SCRIPT, PREEMPTIBLE_SCRIPT
-from slurm_helpers import logs, release_requeue_hold, wait_for
+from slurm_helpers import job_story, logs, release_requeue_hold, wait_for
 
 from orchestrator.launch import slurm_query
 
@@ -42,7 +42,7 @@ def test_the_helper_checkpoints_on_sigusr2_and_the_job_is_requeued_and_resumes(
     release_requeue_hold(job_id)
     states = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
     text = logs(run_dir)
-    assert states[job_id] == "COMPLETED", text[-3000:]
+    assert states[job_id] == "COMPLETED", job_story(job_id, run_dir)
     assert f"switchyard: requeueing job {job_id}: the command asked to be requeued" in text
     # Rank 0 asks for the requeue once it has checkpointed, and the requeue SIGTERMs every rank: a
     # rank whose time-limit signal came later than that (slurmd signals each node on its own; a full
@@ -51,7 +51,7 @@ def test_the_helper_checkpoints_on_sigusr2_and_the_job_is_requeued_and_resumes(
     # Either way it saves, and resumes exactly there.
     for rank, reasons in ((0, "time_limit"), (1, "time_limit|preempted")):
         saved = re.search(rf"rank {rank} checkpointed at step (\d+) \(({reasons})\)", text)
-        assert saved is not None, text[-3000:]
+        assert saved is not None, job_story(job_id, run_dir)
         assert f"rank {rank} starts at step {saved.group(1)}, restart 1" in text  # resumed, not restarted
         assert (run_dir / f"final-{rank}.json").read_text() == '{"step": 300}'
 
