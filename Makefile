@@ -13,9 +13,10 @@ $(PY):
 
 # torch with pip, which takes the CPU wheel on this machine's disk (uv does not look there); the rest
 # with uv, which resolves to the same versions and downloads and installs them in parallel: a new
-# venv in about 52 s instead of 72 s on the 2-core machine (94 s with pip's cache empty). The torch pin is uv's constraint too, so
-# no package can pull a CUDA build of torch. --compile-bytecode: pip compiled site-packages at
-# install; where PYTHONDONTWRITEBYTECODE is set nothing would write it later.
+# venv in about 52 s instead of 72 s on the 2-core machine (94 s with pip's cache empty). The
+# torch pin is uv's constraint too, so no package can pull a CUDA build of torch.
+# --compile-bytecode: pip compiled site-packages at install; where PYTHONDONTWRITEBYTECODE is set
+# nothing would write it later.
 $(VENV)/.installed: $(PY) setup.cfg pyproject.toml
 	$(PY) -m pip install -q $(TORCH_PIN) uv
 	echo '$(TORCH_PIN)' > $(VENV)/constraints.txt
