@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import warm_start
@@ -73,3 +74,24 @@ def test_a_zygote_that_does_not_answer_costs_a_cold_start_not_the_test(tmp_path:
     assert done.returncode == 2 and done.stderr.startswith("error: optim.lr=nan is invalid")
     zygote.process.wait(timeout=30)
     assert warm_start._zygote() is not zygote
+
+
+def test_a_folder_shadows_only_what_a_new_interpreter_would_import_from_it(tmp_path: Path) -> None:
+    """tests/ on PYTHONPATH holds folders named orchestrator, jobs and sharding: started in the
+    project's folder, ``python -m`` finds the project's packages there first, so a new interpreter
+    imports the same modules as the zygote, and the run may stay warm. Anywhere else, or for a
+    module the working directory does not hold, the folder's may be imported instead."""
+    import orchestrator
+
+    repo = str(Path(orchestrator.__file__).parents[1])
+    imported = {"orchestrator": os.path.realpath(orchestrator.__file__), "hydra_plugins": None}
+    (tmp_path / "orchestrator").mkdir()
+    (tmp_path / "usercode").mkdir()
+    assert not warm_start.Zygote.shadows(str(tmp_path), imported, cwd=repo)
+    found = subprocess.run([sys.executable, "-c", "import orchestrator; print(orchestrator.__file__)"],
+                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=repo,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.realpath(found) == imported["orchestrator"]  # what the rule stands on
+    assert warm_start.Zygote.shadows(str(tmp_path), imported, cwd=str(tmp_path / "usercode"))
+    (tmp_path / "hydra_plugins").mkdir()
+    assert warm_start.Zygote.shadows(str(tmp_path), imported, cwd=repo)

@@ -37,7 +37,8 @@ from pathlib import Path
 WARM_IMPORTS = ("jobs.train",)
 # Variables that nothing reads at import time, so a test may set them for a warm process:
 # Switchyard's (read when used: no module reads the environment at import), wandb's, PATH (where
-# subprocess looks up scontrol), a test's fault hook, and pytest's per-test name.
+# subprocess looks up scontrol), a test's fault hook, and pytest's per-test name. A variable a
+# test's own model or hook reads is named SWITCHYARD_TEST_*, so it keeps the run warm.
 WARM_SAFE_PREFIXES = ("SWITCHYARD_", "WANDB_")
 WARM_SAFE = frozenset({"PATH", "FAIL_RANK", "PYTEST_CURRENT_TEST"})
 
@@ -97,7 +98,9 @@ class Zygote:
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="zygote-")
-        self.imported: frozenset[str] | None = None  # the top-level modules it has imported
+        # The top-level modules it has imported, each with the file or package folder it came
+        # from (None: a namespace package, a built-in or frozen module).
+        self.imported: dict[str, str | None] | None = None
         atexit.register(shutil.rmtree, self.folder, True)
         self.path = os.path.join(self.folder, "socket")
         # OpenBLAS starts its thread pool when numpy is imported: one thread per core, unless told
@@ -133,13 +136,31 @@ class Zygote:
             return None
         added = [os.path.join(cwd, p) if p else cwd for p in given[:len(given) - len(own)]]
         if self.imported is None:
-            self.imported = frozenset(json.loads(Path(self.folder, "imported.json").read_text()))
-        for folder in added:
-            with contextlib.suppress(OSError):
-                names = {n.split(".")[0] for n in os.listdir(folder)}
-                if names & self.imported:
-                    return None
+            self.imported = json.loads(Path(self.folder, "imported.json").read_text())
+        if any(self.shadows(folder, self.imported, cwd) for folder in added):
+            return None
         return added
+
+    @staticmethod
+    def shadows(folder: str, imported: Mapping[str, str | None], cwd: str) -> bool:
+        """Whether a new interpreter started in ``cwd`` with ``folder`` on its PYTHONPATH might
+        import one of these modules from the folder instead: anything of that name there, unless
+        ``cwd`` (first on ``python -m``'s path) holds the very module imported, which then wins.
+        That keeps tests/ on PYTHONPATH warm: its folders named orchestrator, jobs and sharding
+        come after the project's own."""
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            return False
+        for entry in entries:
+            name = entry.split(".")[0]
+            if name not in imported:
+                continue
+            origin = imported[name]
+            here = [os.path.join(cwd, name, "__init__.py"), os.path.join(cwd, f"{name}.py")]
+            if origin is None or not any(os.path.realpath(p) == origin for p in here if os.path.exists(p)):
+                return True
+        return False
 
     def run(self, command: list[str], module: str, args: list[str], cwd: str, env: dict[str, str],
             path: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -232,7 +253,9 @@ def serve(path: str, parent: int) -> None:
     os.environ.clear()
     os.environ.update(base)  # the worker's, exactly
     # What a folder on a test's PYTHONPATH must not hold (this module is dropped in each child).
-    imported = sorted({name.split(".")[0] for name in sys.modules} - {__name__, "__main__"})
+    tops = sorted({name.split(".")[0] for name in sys.modules} - {__name__, "__main__"})
+    files = {name: getattr(sys.modules.get(name), "__file__", None) for name in tops}
+    imported = {name: os.path.realpath(file) if file else None for name, file in files.items()}
     Path(os.path.dirname(path), "imported.json").write_text(json.dumps(imported))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")

@@ -239,7 +239,7 @@ class Net(RowPoolingMLP):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         where = "fake" if is_fake(self.head.weight) else self.head.weight.device.type
-        (Path(os.environ["BUILD_LOG"]) / f"{os.getpid()}-{where}").touch()
+        (Path(os.environ["SWITCHYARD_TEST_BUILD_LOG"]) / f"{os.getpid()}-{where}").touch()
 '''
 
 
@@ -260,7 +260,7 @@ class Net(RowPoolingMLP):
         if torch.empty(0).is_meta:
             raise RuntimeError("You are using `from_pretrained` with a meta device context manager")
         super().__init__(**kwargs)
-        log = Path(os.environ["BUILD_LOG"])
+        log = Path(os.environ["SWITCHYARD_TEST_BUILD_LOG"])
         count = len(list(log.glob(f"{os.getpid()}-*")))
         (log / f"{os.getpid()}-{count}").write_text(repr(float(self.head.weight.sum())))
 '''
@@ -272,7 +272,7 @@ def test_a_model_that_loads_its_weights_starts_alike_on_every_fsdp_rank(tmp_path
     trying the meta device), so its last build drew other random numbers than rank 1's."""
     (tmp_path / "weight_loading.py").write_text(WEIGHT_LOADING_MODEL)
     (tmp_path / "builds").mkdir()
-    env = {**os.environ, "BUILD_LOG": str(tmp_path / "builds"),
+    env = {**os.environ, "SWITCHYARD_TEST_BUILD_LOG": str(tmp_path / "builds"),
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     ok(run_train(*SMALL, "model=custom", "model._target_=weight_loading.Net", "parallelism.strategy=fsdp",
                  "parallelism.procs_per_node=2", "optim.max_steps=1", "memory.estimate=off",
@@ -293,7 +293,7 @@ def test_only_rank_0_holds_the_whole_model_on_the_host(tmp_path: Path) -> None:
     weights once in host memory, not 4 times. The same weights as ddp's (see the ddp comparison)."""
     (tmp_path / "build_logging.py").write_text(BUILD_LOGGING_MODEL)
     (tmp_path / "builds").mkdir()
-    env = {**os.environ, "BUILD_LOG": str(tmp_path / "builds"),
+    env = {**os.environ, "SWITCHYARD_TEST_BUILD_LOG": str(tmp_path / "builds"),
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     ok(run_train(*SMALL, "model=custom", "model._target_=build_logging.Net", "parallelism.strategy=fsdp",
                  "parallelism.procs_per_node=4", "optim.max_steps=2", cache_dir=tmp_path / "cache",
