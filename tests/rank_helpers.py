@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,3 +47,35 @@ def write_rows_dataset(path: Path, count: int, features: int, classes: int, max_
             x = rng.normal(size=(int(rng.integers(0, max_rows + 1)), features)).astype(np.float32)
             writer.append({"x": x, "y": np.int64(i % classes)})
     return str(path)
+
+
+# What multiprocessing's fork server imports once for every rank it forks (a spawned rank imported
+# torch and the trainer again, about 2.5 s of CPU each); a module it cannot import is skipped.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "orchestrator.training.trainer",
+                "model_helpers"]
+# Set while the fork server starts, so its ranks inherit them: numpy's OpenBLAS starts a thread per
+# core at import, and a fork leaves those threads behind (tests/warm_start.py imports the same way);
+# one intra-op thread per rank, as jobs.train gives each rank its share of the cores, so two ranks on
+# two cores do not spin against each other.
+RANK_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def rank_processes() -> multiprocessing.context.ForkServerContext:
+    """A ``multiprocessing`` context for a test's rank processes: forked from this worker's fork
+    server, which imported ``RANK_PRELOAD`` and nothing else ran in it (no thread, no torch
+    operation), instead of spawned. A rank's target and arguments travel pickled, as with spawn,
+    and a rank gets the server's environment (the worker's when the server started), not the
+    test's: a test that sets a variable for its ranks passes it as an argument."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    saved = {name: os.environ.get(name) for name in RANK_THREADS}
+    os.environ.update(dict.fromkeys(RANK_THREADS, "1"))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return ctx

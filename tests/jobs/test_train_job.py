@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from rank_helpers import rank_processes
 from train_helpers import CHEAP, refusal, run_train
 
 from orchestrator.launch.dist_env import DistEnv
@@ -139,7 +140,7 @@ def _agree_worker(rank: int, store_path: str, out: mp.Queue) -> None:  # type: i
 
 
 def test_ranks_that_disagree_all_stop_with_one_clear_error(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_agree_worker, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
     for p in procs:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rank_helpers import rank_processes
 
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
@@ -30,7 +31,7 @@ def _worker(rank: int, world: int, rdzv: str, out: mp.Queue) -> None:  # type: i
 
 
 def test_three_processes_meet_on_a_port_rank0_chose(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 3, str(tmp_path), out)) for r in range(3)]
     for p in procs:

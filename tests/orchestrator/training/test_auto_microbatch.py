@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import queue
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from rank_helpers import rank_processes
 
 from orchestrator.config import (
     CheckpointConfig,
@@ -85,7 +85,7 @@ def run_ranks(cfg: TrainConfig, run: Path) -> dict[int, Any]:
     """Both ranks' results (a summary, or the give-up message); fails if a rank hangs or dies."""
     run.mkdir(parents=True, exist_ok=True)
     store = run / f"store-{len(list(run.glob('store-*')))}"
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, str(store), cfg, str(run), out)) for r in range(WORLD)]
     for p in procs:

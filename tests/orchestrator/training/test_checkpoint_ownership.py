@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_helpers import rank_processes
 from torch import nn
 
 from orchestrator.training import checkpoint, sharded_checkpoint
@@ -96,7 +96,7 @@ def _sharded_rank(rank: int, store: str, directory: str, out: Any) -> None:
 
 def test_an_fsdp_save_refuses_on_every_rank_and_prunes_only_its_own(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_sharded_rank, args=(r, str(tmp_path / "store"), str(directory), out))
              for r in range(2)]
