@@ -156,7 +156,7 @@ def _cpu_s() -> float:
     import resource
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     warm = sys.modules.get("warm_start")
-    forked = warm.CHILDREN_CPU_S if warm is not None else 0.0
+    forked = warm.unreaped_cpu_s() if warm is not None else 0.0
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + forked
 
 

@@ -70,8 +70,9 @@ def _warm_allowed(env: Mapping[str, str]) -> bool:
 
 
 _ZYGOTE: Zygote | None = None
-# The CPU seconds of the processes forked for this worker so far, and of what they waited for: the
-# zygote reaps them, so they are not in this process's RUSAGE_CHILDREN (the CPU ledger adds them).
+_STARTED: list[Zygote] = []  # every zygote this worker started, the dead ones too
+# The CPU seconds of the processes forked for this worker so far, and of what they waited for (a
+# test reads it to tell that a run was forked; the CPU ledger adds ``unreaped_cpu_s()``).
 CHILDREN_CPU_S = 0.0
 # How many runs of a WARM_IMPORTS module started a new interpreter instead (the CPU ledger says
 # which tests: an environment that differs, a cold=True run, SWITCHYARD_TEST_COLD).
@@ -82,7 +83,15 @@ def _zygote() -> Zygote | None:
     global _ZYGOTE
     if _ZYGOTE is None or not _ZYGOTE.alive():
         _ZYGOTE = Zygote()
+        _STARTED.append(_ZYGOTE)
     return _ZYGOTE
+
+
+def unreaped_cpu_s() -> float:
+    """The CPU seconds of the processes forked for this worker that its ``RUSAGE_CHILDREN`` does
+    not hold yet: a zygote reaps them, and once this worker has reaped that zygote (a test that
+    kills one), they are counted there, with the zygote's own."""
+    return sum(z.forked_cpu_s for z in _STARTED if z.process.returncode is None)
 
 
 class Zygote:
@@ -101,6 +110,7 @@ class Zygote:
         # The top-level modules it has imported, each with the file or package folder it came
         # from (None: a namespace package, a built-in or frozen module).
         self.imported: dict[str, str | None] | None = None
+        self.forked_cpu_s = 0.0  # of the children it reaped, with what they waited for
         atexit.register(shutil.rmtree, self.folder, True)
         self.path = os.path.join(self.folder, "socket")
         # OpenBLAS starts its thread pool when numpy is imported: one thread per core, unless told
@@ -202,6 +212,7 @@ class Zygote:
         ended = json.loads(line)
         global CHILDREN_CPU_S
         CHILDREN_CPU_S += float(ended["cpu_s"])
+        self.forked_cpu_s += float(ended["cpu_s"])
         code = os.waitstatus_to_exitcode(int(ended["status"]))
         return subprocess.CompletedProcess(command, code, _text(out), _text(err))
 
