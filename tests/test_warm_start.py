@@ -95,3 +95,18 @@ def test_a_folder_shadows_only_what_a_new_interpreter_would_import_from_it(tmp_p
     assert warm_start.Zygote.shadows(str(tmp_path), imported, cwd=str(tmp_path / "usercode"))
     (tmp_path / "hydra_plugins").mkdir()
     assert warm_start.Zygote.shadows(str(tmp_path), imported, cwd=repo)
+
+
+def test_a_namespace_folder_loses_to_a_module_on_the_path(tmp_path: Path) -> None:
+    """The project's folder holds the docs build's site/, named like the standard library's
+    ``site``: a directory without ``__init__.py`` loses to a module found anywhere on the path, so
+    it stays warm; a site.py there would be imported instead."""
+    import site
+
+    imported = {"site": os.path.realpath(site.__file__)}
+    search = {os.path.dirname(os.path.realpath(site.__file__))}
+    (tmp_path / "site").mkdir()
+    assert not warm_start.Zygote.shadows(str(tmp_path), imported, cwd=str(tmp_path), search=search)
+    assert warm_start.Zygote.shadows(str(tmp_path), imported, cwd=str(tmp_path), search=())
+    (tmp_path / "site.py").write_text("")
+    assert warm_start.Zygote.shadows(str(tmp_path), imported, cwd=str(tmp_path), search=search)

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 # What the zygote imports: everything ``python -m jobs.train`` imports before its first line.
@@ -111,6 +111,7 @@ class Zygote:
         # from (None: a namespace package, a built-in or frozen module).
         self.imported: dict[str, str | None] | None = None
         self.forked_cpu_s = 0.0  # of the children it reaped, with what they waited for
+        self.search: frozenset[str] = frozenset()  # its sys.path after the first entry, resolved
         atexit.register(shutil.rmtree, self.folder, True)
         self.path = os.path.join(self.folder, "socket")
         # OpenBLAS starts its thread pool when numpy is imported: one thread per core, unless told
@@ -146,18 +147,23 @@ class Zygote:
             return None
         added = [os.path.join(cwd, p) if p else cwd for p in given[:len(given) - len(own)]]
         if self.imported is None:
-            self.imported = json.loads(Path(self.folder, "imported.json").read_text())
-        if any(self.shadows(folder, self.imported, cwd) for folder in added):
+            found = json.loads(Path(self.folder, "imported.json").read_text())
+            self.imported, self.search = found["modules"], frozenset(found["path"])
+        if any(self.shadows(folder, self.imported, cwd, self.search) for folder in added):
             return None
         return added
 
     @staticmethod
-    def shadows(folder: str, imported: Mapping[str, str | None], cwd: str) -> bool:
+    def shadows(folder: str, imported: Mapping[str, str | None], cwd: str,
+                search: Collection[str] = ()) -> bool:
         """Whether a new interpreter started in ``cwd`` with ``folder`` on its PYTHONPATH might
-        import one of these modules from the folder instead: anything of that name there, unless
-        ``cwd`` (first on ``python -m``'s path) holds the very module imported, which then wins.
-        That keeps tests/ on PYTHONPATH warm: its folders named orchestrator, jobs and sharding
-        come after the project's own."""
+        import one of these modules from the folder instead. A module or regular package of that
+        name does, unless ``cwd`` (first on ``python -m``'s path) holds the very module imported.
+        A directory without ``__init__.py`` is a namespace portion, which loses to a regular
+        module found anywhere on the path: it changes nothing where the imported module's folder
+        is on the path (``search``: the zygote's ``sys.path``, or ``cwd``). So tests/ on
+        PYTHONPATH (folders named orchestrator, jobs and sharding) and the project's folder (the
+        docs build's ``site/``) keep a run warm."""
         try:
             entries = os.listdir(folder)
         except OSError:
@@ -168,8 +174,15 @@ class Zygote:
                 continue
             origin = imported[name]
             here = [os.path.join(cwd, name, "__init__.py"), os.path.join(cwd, f"{name}.py")]
-            if origin is None or not any(os.path.realpath(p) == origin for p in here if os.path.exists(p)):
-                return True
+            if origin is not None and any(os.path.realpath(p) == origin for p in here if os.path.exists(p)):
+                continue
+            path = os.path.join(folder, entry)
+            portion = os.path.isdir(path) and not os.path.exists(os.path.join(path, "__init__.py"))
+            package = origin is not None and os.path.basename(origin).startswith("__init__.")
+            home = None if origin is None else os.path.dirname(os.path.dirname(origin) if package else origin)
+            if portion and home is not None and (home in search or home == os.path.realpath(cwd)):
+                continue
+            return True
         return False
 
     def run(self, command: list[str], module: str, args: list[str], cwd: str, env: dict[str, str],
@@ -267,7 +280,9 @@ def serve(path: str, parent: int) -> None:
     tops = sorted({name.split(".")[0] for name in sys.modules} - {__name__, "__main__"})
     files = {name: getattr(sys.modules.get(name), "__file__", None) for name in tops}
     imported = {name: os.path.realpath(file) if file else None for name, file in files.items()}
-    Path(os.path.dirname(path), "imported.json").write_text(json.dumps(imported))
+    search = [os.path.realpath(p) for p in sys.path[1:] if p]  # the children replace the first
+    Path(os.path.dirname(path), "imported.json").write_text(json.dumps({"modules": imported,
+                                                                       "path": search}))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)
