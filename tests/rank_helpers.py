@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchestrator.launch import rendezvous
+from orchestrator.launch import fork_safety, rendezvous
 from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime
 
@@ -53,29 +52,21 @@ def write_rows_dataset(path: Path, count: int, features: int, classes: int, max_
 # torch and the trainer again, about 2.5 s of CPU each); a module it cannot import is skipped.
 RANK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "orchestrator.training.trainer",
                 "model_helpers"]
-# Set while the fork server starts, so its ranks inherit them: numpy's OpenBLAS starts a thread per
-# core at import, and a fork leaves those threads behind (tests/warm_start.py imports the same way);
-# one intra-op thread per rank, as jobs.train gives each rank its share of the cores, so two ranks on
-# two cores do not spin against each other.
-RANK_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
 def rank_processes() -> multiprocessing.context.ForkServerContext:
     """A ``multiprocessing`` context for a test's rank processes: forked from this worker's fork
     server, which imported ``RANK_PRELOAD`` and nothing else ran in it (no thread, no torch
     operation), instead of spawned. A rank's target and arguments travel pickled, as with spawn,
     and a rank gets the server's environment (the worker's when the server started), not the
-    test's: a test that sets a variable for its ranks passes it as an argument."""
+    test's: a test that sets a variable for its ranks passes it as an argument.
+
+    The server starts with the thread settings at 1, as a local job's controller imports
+    (``fork_safety.hold_thread_pools``): a fork leaves a pool's threads behind, and its ranks keep
+    one intra-op thread each, so two ranks on two cores do not spin against each other."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)
-    saved = {name: os.environ.get(name) for name in RANK_THREADS}
-    os.environ.update(dict.fromkeys(RANK_THREADS, "1"))
+    fork_safety.hold_thread_pools()
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        fork_safety.restore_thread_vars()
     return ctx

@@ -53,14 +53,14 @@ def test_a_folder_put_before_the_path_is_imported_from_in_a_warm_process(tmp_pat
                                          "class Net(RowPoolingMLP):\n    pass\n")
     base = warm_start.Zygote.base_env()  # only PYTHONPATH differs, whatever earlier tests left behind
     env = {**base, "PYTHONPATH": os.pathsep.join(p for p in (str(extra), base.get("PYTHONPATH")) if p)}
-    forked_before = warm_start.CHILDREN_CPU_S
+    forked_before = warm_start.forked_cpu_s()
     done = warm_start.run_module("jobs.train", [
         "cluster=debug", "model=custom", "model._target_=probe_model.Net", "optim.max_steps=1",
         "memory.estimate=off", "telemetry.enabled=false", "logger.tensorboard=false",
         "data.demo_num_samples=256",
         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert forked_before < warm_start.CHILDREN_CPU_S, "started cold: the folder was refused"
+    assert forked_before < warm_start.forked_cpu_s(), "started cold: the folder was refused"
 
 
 def test_a_zygote_that_does_not_answer_costs_a_cold_start_not_the_test(tmp_path: Path) -> None:

@@ -71,9 +71,6 @@ def _warm_allowed(env: Mapping[str, str]) -> bool:
 
 _ZYGOTE: Zygote | None = None
 _STARTED: list[Zygote] = []  # every zygote this worker started, the dead ones too
-# The CPU seconds of the processes forked for this worker so far, and of what they waited for (a
-# test reads it to tell that a run was forked; the CPU ledger adds ``unreaped_cpu_s()``).
-CHILDREN_CPU_S = 0.0
 # How many runs of a WARM_IMPORTS module started a new interpreter instead (the CPU ledger says
 # which tests: an environment that differs, a cold=True run, SWITCHYARD_TEST_COLD).
 COLD_STARTS = 0
@@ -85,6 +82,12 @@ def _zygote() -> Zygote | None:
         _ZYGOTE = Zygote()
         _STARTED.append(_ZYGOTE)
     return _ZYGOTE
+
+
+def forked_cpu_s() -> float:
+    """The CPU seconds of the processes forked for this worker so far, with what they waited for
+    (a test reads it to tell that a run was forked)."""
+    return sum(z.forked_cpu_s for z in _STARTED)
 
 
 def unreaped_cpu_s() -> float:
@@ -223,8 +226,6 @@ class Zygote:
         if not line:
             raise RuntimeError(f"the test zygote stopped before reporting pid {pid}'s end")
         ended = json.loads(line)
-        global CHILDREN_CPU_S
-        CHILDREN_CPU_S += float(ended["cpu_s"])
         self.forked_cpu_s += float(ended["cpu_s"])
         code = os.waitstatus_to_exitcode(int(ended["status"]))
         return subprocess.CompletedProcess(command, code, _text(out), _text(err))
@@ -364,7 +365,7 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
         os.chdir(cwd)
         sys.path[0] = cwd  # what `python -m` puts first, then the test's PYTHONPATH before the zygote's
         sys.path[1:1] = list(request["path"])  # type: ignore[call-overload]
-        __import__("importlib").invalidate_caches()
+        importlib.invalidate_caches()
         sys.modules.pop(__name__, None)  # the zygote's own module is no module of the job's
         random.seed()  # a new interpreter's seeds, not the zygote's
         if "numpy" in sys.modules:
