@@ -9,7 +9,13 @@ from __future__ import annotations
 import os
 import sys
 
+from orchestrator.launch import fork_safety
+
 try:  # first: below torch's floor, the first newer import would be a traceback, not one line
+    # torch's import (numpy's OpenBLAS) starts a thread pool unless told 1: this process forks its
+    # local job's controller (fork_start.ControllerTemplate), and a fork leaves threads behind. Its
+    # own work is light; a rank sets its own threads (runtime.thread_budget), in debug mode too.
+    _HELD = fork_safety.hold_thread_pools()
     import orchestrator.training  # noqa: F401 -- checks torch's version on import
 except ImportError as e:
     if e.name != "torch":
@@ -45,6 +51,7 @@ from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
     attach,
     dist_env,
+    fork_start,
     provenance,
     rendezvous,
     run_lock,
@@ -59,6 +66,8 @@ from orchestrator.training import checks, estimate, rank_process, resume, traine
 from orchestrator.training.checkpoint import CheckpointError
 
 register_configs()
+if _HELD:
+    fork_safety.restore_thread_vars()  # for the processes started from here
 
 
 def run_stamp(default: str) -> str:
@@ -274,5 +283,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if dist_env.attached_launch() is None and not dist_env.inside_launched_job():
+        fork_start.fork_template()  # imported, nothing else done: a local job's controller to be
     hydra_app(main, sys.argv)
     exit_now()  # done and printed: skip torch's second of interpreter finalisation

@@ -35,6 +35,12 @@ from pathlib import Path
 
 # What the zygote imports: everything ``python -m jobs.train`` imports before its first line.
 WARM_IMPORTS = ("jobs.train",)
+# And what a local job's controller imports for its ranks (``rank_process.rank_modules``, ddp and
+# fsdp): a run's controller is forked from it (``fork_start.ControllerTemplate``), so in tests it
+# imports none of it again (about 2.5 s of CPU per local job, most of it torch._dynamo, which DDP's
+# constructor imports). Kept in sys.modules: a new interpreter would import them from the same files.
+CONTROLLER_IMPORTS = ("orchestrator.training.rank_process", "torch._dynamo", "torch.distributed.fsdp",
+                      "torch.distributed.tensor", "torch.distributed.checkpoint")
 # Variables that nothing reads at import time, so a test may set them for a warm process:
 # Switchyard's (read when used: no module reads the environment at import), wandb's, PATH (where
 # subprocess looks up scontrol), a test's fault hook, and pytest's per-test name. A variable a
@@ -274,6 +280,8 @@ def serve(path: str, parent: int) -> None:
         package, _, leaf = name.rpartition(".")
         if package:
             delattr(sys.modules[package], leaf)
+    for name in CONTROLLER_IMPORTS:
+        importlib.import_module(name)
     base = json.loads(os.environ["SWITCHYARD_ZYGOTE_ENV"])
     os.environ.clear()
     os.environ.update(base)  # the worker's, exactly

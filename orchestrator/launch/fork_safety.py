@@ -28,10 +28,15 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 USERS_THREAD_VARS = "SWITCHYARD_USERS_THREAD_VARS"  # the user's values, while the imports run at 1
 
 
-def hold_thread_pools() -> None:
-    """Save the user's ``THREAD_VARS`` and set them to 1, before the imports that start pools."""
+def hold_thread_pools() -> bool:
+    """Save the user's ``THREAD_VARS`` and set them to 1, before the imports that start pools.
+    -> whether this call held them: False where they are held already (a process that holds them
+    imports a module that holds them too), and then only the outer holder restores them."""
+    if USERS_THREAD_VARS in os.environ:
+        return False
     os.environ[USERS_THREAD_VARS] = json.dumps({k: os.environ.get(k) for k in THREAD_VARS})
     os.environ.update(dict.fromkeys(THREAD_VARS, "1"))
+    return True
 
 
 def restore_thread_vars() -> None:
@@ -56,6 +61,11 @@ def why_not_fork(preload: Sequence[str]) -> str | None:
                 return f"importing {name} failed ({type(e).__name__}: {e})"
     finally:
         restore_thread_vars()
+    return why_not_fork_now()
+
+
+def why_not_fork_now() -> str | None:
+    """None if a fork from this process, as it is, is safe; else what makes it unsafe."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "an import initialised CUDA, which a forked child cannot use"

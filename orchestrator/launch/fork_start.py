@@ -16,6 +16,17 @@ submitting side reads, are what they were.
   a rank's death the way srun did (``ForkingSlurmExecutor`` writes that srun line, for a single
   job or a sweep's array).
 
+A local job's controller is itself forked where it can be (``ControllerTemplate``): ``python -m
+jobs.train`` forks a template of itself once its imports are done and before it does anything
+else, and the first local job it submits makes that template its controller, which then imports
+only what its ranks need beyond the submitter's imports. A new ``python -m`` controller imported
+torch and Switchyard again (about 3 s of CPU, before any rank started). The template is the
+submitter's child, as submitit's ``Popen`` was; it takes the submitter's environment, working
+directory and stdout/stderr as they are at the submission, so it is the controller a new
+process would have been. Where the submitter has no template (it has a thread or a CUDA context,
+another job already took it, the job runs setup lines in a shell), the controller is started as
+before.
+
 When a fork is not safe (``fork_safety``: a thread, a CUDA context), the ranks start as new
 processes and the reason is said on stderr. The ranks seed their generators themselves after the
 fork (``runtime.seed_everything``), as they did.
@@ -30,6 +41,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +58,13 @@ from submitit.slurm import slurm
 
 from orchestrator import atomic
 from orchestrator.launch import local_jobs
-from orchestrator.launch.fork_safety import PRELOAD_ENV, THREAD_VARS, USERS_THREAD_VARS, why_not_fork
+from orchestrator.launch.fork_safety import (
+    PRELOAD_ENV,
+    THREAD_VARS,
+    USERS_THREAD_VARS,
+    why_not_fork,
+    why_not_fork_now,
+)
 
 MODULE = "orchestrator.launch.fork_start"
 LAUNCHER_MODULE = "orchestrator.launch.node_launcher"  # the SLURM node launcher (not imported here)
@@ -77,9 +95,14 @@ class ForkingLocalExecutor(submitit.LocalExecutor):
                "SUBMITIT_LOCAL_WITH_SHELL": "1" if setup else "", PRELOAD_ENV: ",".join(self.preload),
                **dict.fromkeys(THREAD_VARS, "1"),
                USERS_THREAD_VARS: json.dumps({k: os.environ.get(k) for k in THREAD_VARS})}
-        argv = [sys.executable, "-m", MODULE, str(self.folder)]
-        process = subprocess.Popen(" && ".join([*setup, shlex.join(argv)]) if setup else argv,
-                                   shell=bool(setup), env=env)
+        template = None if setup else take_template()
+        process: Any
+        if template is not None:
+            process = template.become_controller(self.folder, env)
+        else:
+            argv = [sys.executable, "-m", MODULE, str(self.folder)]
+            process = subprocess.Popen(" && ".join([*setup, shlex.join(argv)]) if setup else argv,
+                                       shell=bool(setup), env=env)
         return LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
                         tasks=list(range(ntasks)))
 
@@ -200,10 +223,129 @@ class ForkingController(Controller):
                     run_rank(k, self.pid, self.folder, self.stdouts[k], self.stderrs[k])
                 self.tasks.append(ForkedTask(pid))  # type: ignore[arg-type]  # poll and send_signal
                 forked[pid] = k
-            atomic.write_json(local_jobs.forked_ranks_file(self.folder, os.getpid()), forked, durable=False)
+            atomic.write_json(local_jobs.forked_ranks_file(paths[0].folder, os.getpid()), forked,
+                              durable=False)
         finally:
             for fd in gate:  # the write end's last copy closes: every rank passes
                 os.close(fd)
+
+
+
+
+class ControllerTemplate:
+    """A child forked from a submitting process that has imported and done nothing else, waiting
+    to become the first local job's controller (``become_controller``). It exits, unused, once
+    the submitter releases it (``release_template``) or ends: the end of its socket closes."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+
+    @classmethod
+    def fork(cls) -> ControllerTemplate | None:
+        """The template, or None where a fork from here is not safe."""
+        if why_not_fork_now() is not None:
+            return None
+        ours, its = socket.socketpair()
+        sys.stdout.flush()  # nothing buffered here is written again by the child
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            serve_once(its)
+        its.close()
+        return cls(pid, ours)
+
+    def become_controller(self, folder: Path, env: dict[str, str]) -> ForkedTask:
+        """Hand the template the controller's environment, this process's working directory and
+        its stdout and stderr as they are now; -> the controller, as submitit polls and signals it."""
+        request = json.dumps({"folder": str(folder), "env": env, "cwd": os.getcwd()}).encode()
+        try:
+            socket.send_fds(self.sock, [len(request).to_bytes(8, "big")], [1, 2])
+            self.sock.sendall(request)
+        finally:
+            self.sock.close()
+        return ForkedTask(self.pid)
+
+    def release(self) -> None:
+        self.sock.close()  # the template reads the end of its socket and exits
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+_TEMPLATE: ControllerTemplate | None = None
+
+
+def fork_template() -> None:
+    """Fork this process's controller template, where a fork is safe (``ControllerTemplate``)."""
+    global _TEMPLATE
+    if _TEMPLATE is None:
+        _TEMPLATE = ControllerTemplate.fork()
+
+
+def take_template() -> ControllerTemplate | None:
+    """The template for a local job's controller, once: a second job's controller is started."""
+    global _TEMPLATE
+    template, _TEMPLATE = _TEMPLATE, None
+    return template
+
+
+def release_template() -> None:
+    """No local job will use the template (a SLURM or debug run): it exits now."""
+    template = take_template()
+    if template is not None:
+        template.release()
+
+
+def serve_once(sock: socket.socket) -> None:
+    """In the template: wait for the request, then run as ``python -m`` this module would, with
+    the request's environment, working directory, stdout and stderr. Never returns."""
+    code = 0
+    try:
+        try:
+            os.closerange(3, sock.fileno())  # what the submitter had open, as Popen's close_fds
+            os.closerange(sock.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
+            head, fds, _, _ = socket.recv_fds(sock, 8, 2)
+            while 0 < len(head) < 8:
+                head += sock.recv(8 - len(head))
+            size = int.from_bytes(head, "big") if len(head) == 8 and len(fds) == 2 else 0
+            body = b""
+            while len(body) < size and (more := sock.recv(size - len(body))):
+                body += more
+        except BaseException:  # the submitter went away or was interrupted: nothing to become
+            os._exit(0)
+        if not size or len(body) < size:
+            os._exit(0)  # released
+        sock.close()
+        request = json.loads(body)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [str(Path(__file__)), request["folder"]]
+        name_process(local_jobs.FORKED_CONTROLLER)
+        main()
+    except SystemExit as e:
+        code = exit_code(e)
+    except BaseException:  # as the interpreter would: the traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def name_process(name: str) -> None:
+    """This process's name as ``ps -o comm`` and psutil's ``name()`` show it (15 characters)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name[:15])
 
 
 def await_pickle(path: Path, timeout_s: float = 60.0) -> None:

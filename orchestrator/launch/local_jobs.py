@@ -38,9 +38,14 @@ KILL_WAIT_S = 30.0  # SLURM's default KillWait: SIGTERM to SIGKILL
 # In the command line of submitit's local controller, and of Switchyard's, which forks the ranks
 # (orchestrator/launch/fork_start.py): a forked rank's command line is its controller's.
 CONTROLLERS = ("submitit.local._local", "orchestrator.launch.fork_start")
+# The name of a controller forked from its submitter (fork_start.ControllerTemplate), whose command
+# line is the submitter's.
+FORKED_CONTROLLER = "sy-controller"
 
 
 def is_controller(process: psutil.Process) -> bool:
+    if process.name() == FORKED_CONTROLLER:
+        return True
     command = " ".join(process.cmdline())
     return any(name in command for name in CONTROLLERS)
 
@@ -59,14 +64,18 @@ def controller(pid: int) -> psutil.Process | None:
 
 def forked_ranks_file(folder: Path, controller_pid: int) -> Path:
     """Where a forking controller lists its ranks' pids by local id (written at each start): a
-    forked rank's command line and environment are its controller's, so nothing else tells them."""
+    forked rank's command line and environment are its controller's, so nothing else tells them.
+    ``folder``: the job's submitit folder, its ``%j`` filled in."""
     return folder / f"{controller_pid}_forked_ranks.json"
 
 
-def _forked(process: psutil.Process) -> dict[int, int]:
-    """pid -> local id of the ranks ``process`` forked; {} for submitit's controller."""
+def _forked(process: psutil.Process, folder: Path | None) -> dict[int, int]:
+    """pid -> local id of the ranks ``process`` forked; {} for submitit's controller. ``folder``:
+    the job's submitit folder, else the last word of the controller's command line (a forked
+    controller's is its submitter's: the caller names the folder)."""
     with contextlib.suppress(psutil.Error, OSError, ValueError, IndexError):
-        listed = json.loads(forked_ranks_file(Path(process.cmdline()[-1]), process.pid).read_text())
+        where = folder if folder is not None else Path(process.cmdline()[-1].replace("%j", str(process.pid)))
+        listed = json.loads(forked_ranks_file(where, process.pid).read_text())
         return {int(pid): int(local) for pid, local in listed.items()}
     return {}
 
@@ -78,9 +87,10 @@ def _descendants(process: psutil.Process) -> list[psutil.Process]:
     return []
 
 
-def ranks(pid: int) -> dict[int, psutil.Process]:
+def ranks(pid: int, folder: Path | None = None) -> dict[int, psutil.Process]:
     """The live rank processes of the local job ``pid``, by rank (their local id): the
-    processes a controller started, not what they started in turn (DataLoader workers)."""
+    processes a controller started, not what they started in turn (DataLoader workers).
+    ``folder``: the job's submitit folder (needed for a controller forked from its submitter)."""
     process = controller(pid)
     found: dict[int, psutil.Process] = {}
     if process is None:
@@ -93,7 +103,7 @@ def ranks(pid: int) -> dict[int, psutil.Process]:
                 if parent is None or not is_controller(parent):
                     continue  # started by a rank, not by the controller
                 if parent.pid not in forked:  # the controller itself, or one under a setup shell
-                    forked[parent.pid] = _forked(parent)
+                    forked[parent.pid] = _forked(parent, folder)
                 if child.pid in forked[parent.pid]:
                     found[forked[parent.pid][child.pid]] = child
                     continue

@@ -99,6 +99,8 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     them once and forks the ranks (``fork_start``: a local job's controller, SLURM's node launcher)
     where ``cluster.forks_ranks``."""
     if cluster.mode == "debug":
+        from orchestrator.launch import fork_start
+        fork_start.release_template()  # it trains here
         return submitit.DebugExecutor(folder=folder)
     forked = rank_modules if cluster.forks_ranks else ()
     if cluster.mode == "local":
@@ -138,18 +140,19 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
     ``array_parallelism`` (SLURM only): at most this many tasks of one array at once.
     ``rank_modules``: one process per node (the local controller, SLURM's node launcher) imports
     them once and forks the ranks (``fork_start``), for a single job or each task of an array."""
+    from orchestrator.launch import fork_start
+    if mode != "local" or not rank_modules:
+        fork_start.release_template()  # no controller of this process's will be forked from it
     if mode == "local":
         if rank_modules:
-            from orchestrator.launch.fork_start import ForkingLocalExecutor
-            local: submitit.LocalExecutor = ForkingLocalExecutor(folder, rank_modules)
+            local: submitit.LocalExecutor = fork_start.ForkingLocalExecutor(folder, rank_modules)
         else:
             local = submitit.LocalExecutor(folder=folder)
         local.update_parameters(**params)
         return local
     params = dict(params)  # "python": the command that runs the ranks' Python (a container's)
     if rank_modules:
-        from orchestrator.launch.fork_start import ForkingSlurmExecutor
-        slurm: submitit.SlurmExecutor = ForkingSlurmExecutor(folder, rank_modules, max_requeues,
+        slurm: submitit.SlurmExecutor = fork_start.ForkingSlurmExecutor(folder, rank_modules, max_requeues,
                                                              python=params.pop("python", None))
     else:
         slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues,
@@ -467,7 +470,7 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
     while isinstance(job, LocalJob) and not job.done():
         tasks = _tasks(job)
         if len(seen) < len(tasks):  # /proc is scanned only until every rank is accounted for
-            found = local_jobs.ranks(int(job.job_id))
+            found = local_jobs.ranks(int(job.job_id), job.paths.folder)
             seen.update(found)
             if started:  # the controller starts its ranks within milliseconds of each other
                 for rank in range(len(tasks)):

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from train_helpers import CHEAP, run_train
 
 from jobs import smoke
 from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig
-from orchestrator.launch import local_jobs, submit
+from orchestrator.launch import fork_start, local_jobs, submit
 from orchestrator.launch.fork_start import ForkingLocalExecutor
 
 FORKED_LINE = "switchyard: rank process forked from the job's controller"
@@ -153,3 +157,83 @@ def test_the_controller_imports_what_the_strategy_needs(strategy: str, fsdp_prel
     modules = rank_modules(cfg)
     assert "orchestrator.training.rank_process" in modules and "torch._dynamo" in modules
     assert ("torch.distributed.fsdp" in modules) == fsdp_preloaded
+
+
+# What a rank reports of the process that forked it: the job's controller.
+CONTROLLER_PROBE = """
+import os, psutil
+def controller_of_me():
+    controller = psutil.Process(os.getppid())
+    return {"pid": controller.pid, "name": controller.name(), "parent": controller.ppid(),
+            "command": " ".join(controller.cmdline())}
+"""
+# A submitting process as ``python -m jobs.train`` is one: imports with one BLAS/OpenMP thread, a
+# template forked, then two local jobs (the template serves the first).
+SUBMITTER = """
+import json, os, sys
+from orchestrator.launch import fork_safety
+fork_safety.hold_thread_pools()
+import torch
+from orchestrator.config import ClusterConfig, ParallelismConfig
+from orchestrator.launch import fork_start, submit
+import controller_probe
+fork_safety.restore_thread_vars()
+fork_start.fork_template()
+seen = []
+for k in range(2):
+    executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
+                                    __import__("pathlib").Path(sys.argv[1]) / str(k),
+                                    rank_modules=("controller_probe",))
+    job = submit.submit(executor, controller_probe.controller_of_me)
+    seen.append({"job_id": job.job_id, "ranks": submit.results(job)})
+print(json.dumps({"submitter": os.getpid(), "jobs": seen}))
+"""
+
+
+def test_a_local_jobs_controller_is_forked_from_its_submitter(tmp_path: Path) -> None:
+    """The first local job's controller is the template the submitter forked after its imports:
+    the submitter's child, named so that ``switchyard cancel`` and the fail-fast wait know it, its
+    ranks forked from it. The second job's controller is started, as every one was before."""
+    (tmp_path / "controller_probe.py").write_text(CONTROLLER_PROBE)
+    done = subprocess.run([sys.executable, "-c", SUBMITTER, str(tmp_path / "jobs")], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    forked, started = seen["jobs"]
+    for job in (forked, started):
+        [controller] = {json.dumps(r, sort_keys=True) for r in job["ranks"]}  # both ranks: one parent
+        job["controller"] = json.loads(controller)
+        assert job["controller"]["pid"] == int(job["job_id"])
+        assert job["controller"]["parent"] == seen["submitter"]
+    assert forked["controller"]["name"] == local_jobs.FORKED_CONTROLLER
+    assert "orchestrator.launch.fork_start" not in forked["controller"]["command"]  # the submitter's
+    assert "orchestrator.launch.fork_start" in started["controller"]["command"]
+    assert FORKED_LINE in "".join(p.read_text() for p in (tmp_path / "jobs" / "0").glob("*_log.out"))
+
+
+def test_no_template_is_forked_from_a_process_with_a_thread() -> None:
+    """A thread would be missing in the template, with whatever lock it held: no template, and the
+    controller is started."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert fork_start.ControllerTemplate.fork() is None
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_template_no_job_takes_exits_when_released() -> None:
+    """A SLURM or debug run releases it at once; a run that ends before submitting closes its end."""
+    ours, its = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the template's side, as ControllerTemplate.fork runs it
+        ours.close()
+        fork_start.serve_once(its)
+    its.close()
+    fork_start.ControllerTemplate(pid, ours).release()  # reaps it: it has exited
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
