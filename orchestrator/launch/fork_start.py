@@ -96,10 +96,11 @@ class ForkingLocalExecutor(submitit.LocalExecutor):
                **dict.fromkeys(THREAD_VARS, "1"),
                USERS_THREAD_VARS: json.dumps({k: os.environ.get(k) for k in THREAD_VARS})}
         template = None if setup else take_template()
-        process: Any
+        process: Any = None
         if template is not None:
-            process = template.become_controller(self.folder, env)
-        else:
+            with contextlib.suppress(OSError):  # the template is gone (killed): start one instead
+                process = template.become_controller(self.folder, env)
+        if process is None:
             argv = [sys.executable, "-m", MODULE, str(self.folder)]
             process = subprocess.Popen(" && ".join([*setup, shlex.join(argv)]) if setup else argv,
                                        shell=bool(setup), env=env)
@@ -263,8 +264,10 @@ class ControllerTemplate:
         try:
             socket.send_fds(self.sock, [len(request).to_bytes(8, "big")], [1, 2])
             self.sock.sendall(request)
-        finally:
-            self.sock.close()
+        except OSError:  # it has exited: reap it, and the caller starts a controller
+            self.release()
+            raise
+        self.sock.close()
         return ForkedTask(self.pid)
 
     def release(self) -> None:

@@ -237,3 +237,21 @@ def test_a_template_no_job_takes_exits_when_released() -> None:
     fork_start.ControllerTemplate(pid, ours).release()  # reaps it: it has exited
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_dead_template_leaves_the_controller_to_be_started(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template killed before the job (the OOM killer, a stray signal) costs a started controller,
+    not the submission."""
+    ours, its = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # a template that died at once
+    its.close()
+    os.waitpid(pid, 0)  # gone, and its end of the socket with it
+    monkeypatch.setattr(fork_start, "_TEMPLATE", fork_start.ControllerTemplate(pid, ours))
+    executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
+                                    tmp_path / "jobs", rank_modules=("jobs.smoke",))
+    results = submit.results(submit.submit(executor, smoke.allreduce, str(tmp_path / "rdzv")))
+    assert sorted(r["reduced"] for r in results) == [3.0, 3.0]
+    assert fork_start._TEMPLATE is None
