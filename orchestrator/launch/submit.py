@@ -462,7 +462,9 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
     the same shape as ``srun_task_failures``, so ``failure`` blames them, not the ranks this
     stopped. A rank that returns or raises writes its result before it exits, so a rank
     process gone with no result file died; so did a rank not running one poll after its peers
-    were found (it died before any poll saw it).
+    were found (it died before any poll saw it). A job can end between two polls (a rank killed,
+    its peer failing at once on the lost connection, the controller ending as soon as both have):
+    then each rank seen at work that left no result died.
     """
     seen: dict[int, psutil.Process | None] = {}  # rank -> its process; None: gone before found
     started = False  # ranks were found at an earlier poll, so the controller has started them all
@@ -483,6 +485,11 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
             stop_local(job)
             break
         time.sleep(poll_s)
+    else:  # the job ended between two polls: a rank seen at work that left no result died
+        if seen:
+            tasks = _tasks(job)
+            died = [(rank, LOCAL_DEATH) for rank in seen if rank < len(tasks)
+                    and not tasks[rank].paths.result_pickle.exists() and not _stopped(tasks[rank])]
     if isinstance(job, submitit.SlurmJob):
         wait_slurm(job)
     else:

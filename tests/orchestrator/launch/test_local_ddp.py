@@ -4,15 +4,17 @@ imported once (``orchestrator.launch.fork_start``), and as new interpreters."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jobs import smoke
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import submit
+from orchestrator.launch import local_jobs, submit
 
 STARTS = {"forked": ("jobs.smoke",), "started": ()}  # make_executor's rank_modules for each
 
@@ -113,3 +115,43 @@ def test_a_killed_rank_shows_the_tail_of_its_stdout_too(tmp_path: Path,
     message = str(info.value)
     assert "step 7: loss 0.51" in message and "_log.out:" in message, message
     assert "(empty)" not in message
+
+
+# Both ranks wait until the fail-fast wait has found them; then rank 1 dies as the OOM killer kills
+# and rank 0 returns at once, so the whole job ends long before the wait's next poll.
+DIE_ONCE_FOUND = """
+import os, pathlib, signal, time
+def die_once_found(folder):
+    while not (pathlib.Path(folder) / "found").exists():
+        time.sleep(0.02)
+    if os.environ["SUBMITIT_LOCAL_LOCALID"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "done"
+"""
+
+
+def test_a_rank_killed_just_before_the_job_ends_is_named_though_no_poll_saw_it(
+        tmp_path: Path, rank_modules: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in a full run: rank 1 killed mid-run, rank 0 failing at once on the lost connection, the
+    controller ending with them, all between two polls: the report blamed rank 0's error and called
+    rank 1 "stopped". A rank seen at work that left no result died, whenever the wait learns it."""
+    (tmp_path / "die_once_found.py").write_text(DIE_ONCE_FOUND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))  # for the controller, ranks
+    found_ranks = local_jobs.ranks
+
+    def found_then_say_so(pid: int, folder: Path | None = None) -> dict[int, psutil.Process]:
+        found = found_ranks(pid, folder)
+        if len(found) == 2:
+            (tmp_path / "found").touch()
+        return found
+
+    monkeypatch.setattr(local_jobs, "ranks", found_then_say_so)
+    import die_once_found
+
+    executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
+                                    tmp_path / "jobs", rank_modules=(*rank_modules, "die_once_found")
+                                    if rank_modules else ())
+    job = submit.submit(executor, die_once_found.die_once_found, str(tmp_path))
+    assert submit.wait_fail_fast(job, poll_s=5.0) == [(1, submit.LOCAL_DEATH)]
