@@ -58,6 +58,9 @@ def test_the_helper_checkpoints_on_sigusr2_and_the_job_is_requeued_and_resumes(
 
 def test_a_script_that_ignores_the_signal_is_requeued_anyway(tmp_path: Path, queued: list[str]) -> None:
     job_id, run_dir = submit(tmp_path, IGNORING_SCRIPT, queued, "cluster.signal_delay_s=6")
+    # Both scripts ignore USR2 before they say they started: a signal sent once only rank 1 had
+    # (seen in a full run) ended rank 0's script, and the job was requeued for that instead.
+    wait_for(run_dir / "started-0")
     wait_for(run_dir / "started-1")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     release_requeue_hold(job_id)
