@@ -35,12 +35,10 @@ from pathlib import Path
 
 # What the zygote imports: everything ``python -m jobs.train`` imports before its first line.
 WARM_IMPORTS = ("jobs.train",)
-# And what a local job's controller imports for its ranks (``rank_process.rank_modules``, ddp and
-# fsdp): a run's controller is forked from it (``fork_start.ControllerTemplate``), so in tests it
-# imports none of it again (about 2.5 s of CPU per local job, most of it torch._dynamo, which DDP's
-# constructor imports). Kept in sys.modules: a new interpreter would import them from the same files.
-CONTROLLER_IMPORTS = ("orchestrator.training.rank_process", "torch._dynamo", "torch.distributed.fsdp",
-                      "torch.distributed.tensor", "torch.distributed.checkpoint")
+# The zygote keeps what a local job's controller imports for its ranks, too (every strategy's
+# ``rank_process.rank_modules``): a run's controller is forked from its submitter
+# (``fork_start.ControllerTemplate``), so in tests it imports none of it again (about 2.5 s of CPU
+# per local job, most of it torch._dynamo, which DDP's constructor imports).
 # Variables that nothing reads at import time, so a test may set them for a warm process:
 # Switchyard's (read when used: no module reads the environment at import), wandb's, PATH (where
 # subprocess looks up scontrol), a test's fault hook, and pytest's per-test name. A variable a
@@ -280,7 +278,9 @@ def serve(path: str, parent: int) -> None:
         package, _, leaf = name.rpartition(".")
         if package:
             delattr(sys.modules[package], leaf)
-    for name in CONTROLLER_IMPORTS:
+    from orchestrator.training import rank_process
+
+    for name in rank_process.ALL_RANK_MODULES:  # what a local job's controller imports, kept
         importlib.import_module(name)
     base = json.loads(os.environ["SWITCHYARD_ZYGOTE_ENV"])
     os.environ.clear()
@@ -358,11 +358,10 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
     import importlib.util
     import random
     import runpy
-    import threading
-    import traceback
 
-    code = 1
-    try:
+    from orchestrator.launch.fork_start import exit_as_interpreter
+
+    def run() -> None:
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         for fd in fds:
@@ -382,18 +381,5 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
         spec_origin = str(importlib.util.find_spec(module).origin)  # type: ignore[union-attr]
         sys.argv = [spec_origin, *map(str, request["args"])]  # type: ignore[call-overload]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:  # the status the interpreter gives it, as a forked rank's exit does
-        from orchestrator.launch.fork_start import exit_code
 
-        code = exit_code(e)
-    except BaseException:  # as the interpreter does: the traceback, exit 1
-        traceback.print_exc()
-    finally:
-        try:
-            threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, as at exit
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    exit_as_interpreter(run, join_threads=True)  # non-daemon threads joined, as at exit

@@ -44,12 +44,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import submitit
 from submitit.core import submission, utils
@@ -231,8 +232,6 @@ class ForkingController(Controller):
                 os.close(fd)
 
 
-
-
 class ControllerTemplate:
     """A child forked from a submitting process that has imported and done nothing else, waiting
     to become the first local job's controller (``become_controller``). It exits, unused, once
@@ -300,25 +299,25 @@ def release_template() -> None:
         template.release()
 
 
-def serve_once(sock: socket.socket) -> None:
+def serve_once(sock: socket.socket) -> NoReturn:
     """In the template: wait for the request, then run as ``python -m`` this module would, with
     the request's environment, working directory, stdout and stderr. Never returns."""
-    code = 0
     try:
-        try:
-            os.closerange(3, sock.fileno())  # what the submitter had open, as Popen's close_fds
-            os.closerange(sock.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
-            head, fds, _, _ = socket.recv_fds(sock, 8, 2)
-            while 0 < len(head) < 8:
-                head += sock.recv(8 - len(head))
-            size = int.from_bytes(head, "big") if len(head) == 8 and len(fds) == 2 else 0
-            body = b""
-            while len(body) < size and (more := sock.recv(size - len(body))):
-                body += more
-        except BaseException:  # the submitter went away or was interrupted: nothing to become
-            os._exit(0)
-        if not size or len(body) < size:
-            os._exit(0)  # released
+        os.closerange(3, sock.fileno())  # what the submitter had open, as Popen's close_fds
+        os.closerange(sock.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
+        head, fds, _, _ = socket.recv_fds(sock, 8, 2)
+        while 0 < len(head) < 8:
+            head += sock.recv(8 - len(head))
+        size = int.from_bytes(head, "big") if len(head) == 8 and len(fds) == 2 else 0
+        body = b""
+        while len(body) < size and (more := sock.recv(size - len(body))):
+            body += more
+    except BaseException:  # the submitter went away or was interrupted: nothing to become
+        os._exit(0)
+    if not size or len(body) < size:
+        os._exit(0)  # released
+
+    def controller() -> None:
         sock.close()
         request = json.loads(body)
         os.dup2(fds[0], 1)
@@ -331,18 +330,8 @@ def serve_once(sock: socket.socket) -> None:
         sys.argv = [str(Path(__file__)), request["folder"]]
         name_process(local_jobs.FORKED_CONTROLLER)
         main()
-    except SystemExit as e:
-        code = exit_code(e)
-    except BaseException:  # as the interpreter would: the traceback, exit 1
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+
+    exit_as_interpreter(controller)
 
 
 def name_process(name: str) -> None:
@@ -371,21 +360,22 @@ def pass_gate(gate: tuple[int, int]) -> None:
         os.close(read_end)
 
 
-def run_rank(local_id: int, job_id: str, folder: Path, stdout: IO[Any], stderr: IO[Any]) -> None:
+def run_rank(local_id: int, job_id: str, folder: Path, stdout: IO[Any], stderr: IO[Any]) -> NoReturn:
     """In a local job's forked child: become the rank submitit's controller would have started."""
     become_rank(folder, {"SUBMITIT_LOCAL_LOCALID": str(local_id), "SUBMITIT_LOCAL_GLOBALID": str(local_id),
                          "SUBMITIT_LOCAL_JOB_ID": job_id}, stdout.fileno(), stderr.fileno(),
                 f"the job's controller (pid {os.getppid()})")
 
 
-def become_rank(folder: Path, env: dict[str, str], stdout_fd: int, stderr_fd: int, parent: str) -> None:
+def become_rank(folder: Path, env: dict[str, str], stdout_fd: int, stderr_fd: int, parent: str) -> NoReturn:
     """In the forked child: the variables a started rank would have had (``env``), its log files on
     fds 1 and 2, then submitit's ``process_job``; exit as the interpreter would. Never returns."""
-    code = 1
-    try:
+
+    def rank() -> None:
         for signum in (signal.SIGTERM, signal.SIGUSR2):  # the parent's handling is not the rank's
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        name_process(Path(sys.executable).name)  # a started rank's name, not a forked controller's
         os.dup2(stdout_fd, 1)
         os.dup2(stderr_fd, 2)
         sys.stdout, sys.stderr = unbuffered(1), unbuffered(2)  # as `python -u` started it
@@ -395,6 +385,17 @@ def become_rank(folder: Path, env: dict[str, str], stdout_fd: int, stderr_fd: in
         print(f"switchyard: rank process forked from {parent}, which imported {modules} once for "
               f"every rank", flush=True)
         submission.process_job(folder)
+
+    exit_as_interpreter(rank)
+
+
+def exit_as_interpreter(work: Callable[[], object], join_threads: bool = False) -> NoReturn:
+    """In a forked child: run ``work``, then leave as an interpreter running it would: the status
+    ``sys.exit`` gives, or the traceback and 1; ``atexit``'s functions (torch's, logging's), the
+    output flushed; ``join_threads``: non-daemon threads joined first. Never returns."""
+    code = 1
+    try:
+        work()
         code = 0
     except SystemExit as e:
         code = exit_code(e)
@@ -402,7 +403,9 @@ def become_rank(folder: Path, env: dict[str, str], stdout_fd: int, stderr_fd: in
         traceback.print_exc()
     finally:
         try:
-            atexit._run_exitfuncs()  # what an interpreter's own exit runs (torch's, logging's)
+            if join_threads:
+                threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

@@ -478,23 +478,27 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
                 for rank in range(len(tasks)):
                     seen.setdefault(rank, None)
             started = started or bool(found)
-        died = [(rank, LOCAL_DEATH) for rank, process in seen.items()
-                if rank < len(tasks) and (process is None or not local_jobs.alive(process))
-                and not tasks[rank].paths.result_pickle.exists() and not _stopped(tasks[rank])]
+        died = _died(seen, tasks)
         if died or any(_raised(task) for task in tasks):
             stop_local(job)
             break
         time.sleep(poll_s)
     else:  # the job ended between two polls: a rank seen at work that left no result died
         if seen:
-            tasks = _tasks(job)
-            died = [(rank, LOCAL_DEATH) for rank in seen if rank < len(tasks)
-                    and not tasks[rank].paths.result_pickle.exists() and not _stopped(tasks[rank])]
+            died = _died(seen, _tasks(job))
     if isinstance(job, submitit.SlurmJob):
         wait_slurm(job)
     else:
         job.wait()
     return died
+
+
+def _died(seen: Mapping[int, psutil.Process | None], tasks: Sequence[submitit.Job[Any]]
+          ) -> list[tuple[int, str]]:
+    """The ranks seen at work (or missed: None) that are gone without a result or a stop."""
+    return [(rank, LOCAL_DEATH) for rank, process in seen.items()
+            if rank < len(tasks) and (process is None or not local_jobs.alive(process))
+            and not tasks[rank].paths.result_pickle.exists() and not _stopped(tasks[rank])]
 
 
 def stop_local(job: LocalJob[Any]) -> None:

@@ -24,14 +24,17 @@ from orchestrator.telemetry.preflight import preflight
 from orchestrator.training import memory_report, resume, runtime, startup
 from orchestrator.training.trainer import DataPaths, Trainer
 
+# What every rank imports before its first step: this module and the trainer, and the
+# ``torch._dynamo`` DDP's constructor imports; fsdp's stack where the run shards.
+RANK_MODULES = (__name__, "torch._dynamo")
+FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
+ALL_RANK_MODULES = (*RANK_MODULES, *FSDP_MODULES)
+
 
 def rank_modules(cfg: TrainConfig) -> tuple[str, ...]:
     """What a rank imports before its first step, for a local job's controller to import once and
-    fork its ranks from (``orchestrator.launch.fork_start``): this module and the trainer, the
-    ``torch._dynamo`` DDP's constructor imports, and fsdp's stack where the run shards."""
-    fsdp = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint") \
-        if cfg.parallelism.strategy == "fsdp" else ()
-    return (__name__, "torch._dynamo", *fsdp)
+    fork its ranks from (``orchestrator.launch.fork_start``)."""
+    return (*RANK_MODULES, *(FSDP_MODULES if cfg.parallelism.strategy == "fsdp" else ()))
 
 
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:

@@ -12,9 +12,9 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from train_helpers import CHEAP, run_train
@@ -165,7 +165,7 @@ import os, psutil
 def controller_of_me():
     controller = psutil.Process(os.getppid())
     return {"pid": controller.pid, "name": controller.name(), "parent": controller.ppid(),
-            "command": " ".join(controller.cmdline())}
+            "command": " ".join(controller.cmdline()), "rank_name": psutil.Process().name()}
 """
 # A submitting process as ``python -m jobs.train`` is one: imports with one BLAS/OpenMP thread, a
 # template forked, then two local jobs (the template serves the first).
@@ -178,29 +178,40 @@ from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import fork_start, submit
 import controller_probe
 fork_safety.restore_thread_vars()
+if sys.argv[2] == "thread":  # a thread at the fork would be missing in the template
+    import threading
+    threading.Thread(target=__import__("time").sleep, args=(60,), daemon=True).start()
 fork_start.fork_template()
+made = fork_start._TEMPLATE is not None
 seen = []
-for k in range(2):
+for k in range(int(sys.argv[3])):
     executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
                                     __import__("pathlib").Path(sys.argv[1]) / str(k),
                                     rank_modules=("controller_probe",))
     job = submit.submit(executor, controller_probe.controller_of_me)
     seen.append({"job_id": job.job_id, "ranks": submit.results(job)})
-print(json.dumps({"submitter": os.getpid(), "jobs": seen}))
+print(json.dumps({"submitter": os.getpid(), "template": made, "jobs": seen}))
 """
+
+
+def run_submitter(tmp_path: Path, thread: bool, jobs: int) -> dict[str, Any]:
+    """``SUBMITTER`` in a new interpreter, a thread started before its fork or not; what it saw."""
+    (tmp_path / "controller_probe.py").write_text(CONTROLLER_PROBE)
+    done = subprocess.run([sys.executable, "-c", SUBMITTER, str(tmp_path / "jobs"),
+                           "thread" if thread else "none", str(jobs)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cast(dict[str, Any], json.loads(done.stdout.splitlines()[-1]))
 
 
 def test_a_local_jobs_controller_is_forked_from_its_submitter(tmp_path: Path) -> None:
     """The first local job's controller is the template the submitter forked after its imports:
     the submitter's child, named so that ``switchyard cancel`` and the fail-fast wait know it, its
     ranks forked from it. The second job's controller is started, as every one was before."""
-    (tmp_path / "controller_probe.py").write_text(CONTROLLER_PROBE)
-    done = subprocess.run([sys.executable, "-c", SUBMITTER, str(tmp_path / "jobs")], cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.splitlines()[-1])
+    seen = run_submitter(tmp_path, thread=False, jobs=2)
+    assert seen["template"]
     forked, started = seen["jobs"]
     for job in (forked, started):
         [controller] = {json.dumps(r, sort_keys=True) for r in job["ranks"]}  # both ranks: one parent
@@ -208,22 +219,19 @@ def test_a_local_jobs_controller_is_forked_from_its_submitter(tmp_path: Path) ->
         assert job["controller"]["pid"] == int(job["job_id"])
         assert job["controller"]["parent"] == seen["submitter"]
     assert forked["controller"]["name"] == local_jobs.FORKED_CONTROLLER
+    assert forked["controller"]["rank_name"] != local_jobs.FORKED_CONTROLLER  # a rank is no controller
     assert "orchestrator.launch.fork_start" not in forked["controller"]["command"]  # the submitter's
     assert "orchestrator.launch.fork_start" in started["controller"]["command"]
     assert FORKED_LINE in "".join(p.read_text() for p in (tmp_path / "jobs" / "0").glob("*_log.out"))
 
 
-def test_no_template_is_forked_from_a_process_with_a_thread() -> None:
-    """A thread would be missing in the template, with whatever lock it held: no template, and the
-    controller is started."""
-    stop = threading.Event()
-    thread = threading.Thread(target=stop.wait, daemon=True)
-    thread.start()
-    try:
-        assert fork_start.ControllerTemplate.fork() is None
-    finally:
-        stop.set()
-        thread.join()
+def test_no_template_is_forked_from_a_process_with_a_thread(tmp_path: Path) -> None:
+    """A thread would be missing in the template, with whatever lock it held: the same submitter
+    as above forks none with one thread more, and its job's controller is started."""
+    seen = run_submitter(tmp_path, thread=True, jobs=1)
+    assert not seen["template"]
+    [job] = seen["jobs"]
+    assert all("orchestrator.launch.fork_start" in rank["command"] for rank in job["ranks"])
 
 
 def test_a_template_no_job_takes_exits_when_released() -> None:
