@@ -210,9 +210,17 @@ class Fsdp(Ddp):
 
     def param_checksum(self, model: nn.Module) -> str:
         """The same bytes as ddp's checksum of the same weights: each parameter is gathered whole
-        (one at a time, a collective every rank runs in the same order)."""
+        (one at a time, a collective every rank runs in the same order).
+
+        Each unit is resharded first: a forward with no backward after it (an evaluation) leaves
+        the root's parameters unsharded, as plain tensors in the mixed-precision policy's dtype
+        (bf16 under ``memory.amp=bf16``), not the fp32 weights the optimizer holds."""
+        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
         return checksum((name, p.full_tensor() if isinstance(p, DTensor) else p)
                         for name, p in sorted(model.named_parameters()))
 

@@ -150,6 +150,22 @@ def test_fsdp_keeps_micro_batch_gradients_unreduced_until_the_last(tmp_path: Pat
         assert all(isinstance(g, DTensor) for g in grads), "the last micro-batch must reduce-scatter"
 
 
+def test_an_fsdp_checksum_after_an_evaluation_is_of_the_fp32_weights(tmp_path: Path) -> None:
+    """A forward with no backward (an evaluation) leaves the root's parameters unsharded, in the
+    mixed-precision policy's dtype. The checksum at the end of an fsdp bf16 run read those: it
+    raised "Got unsupported ScalarType BFloat16" on an H200 after the run had trained and saved."""
+    with one_rank(tmp_path) as rt:
+        fsdp = Fsdp(rt, ParallelismConfig(strategy="fsdp"), MemoryConfig(amp="bf16"))
+        torch.manual_seed(0)
+        plain = RowPoolingMLP(in_features=3, num_classes=2)
+        torch.manual_seed(0)
+        model = fsdp.wrap(RowPoolingMLP(in_features=3, num_classes=2))
+        with torch.no_grad():
+            model(torch.ones(2, 4, 3), torch.ones(2, 4, dtype=torch.bool))
+        assert fsdp.param_checksum(model) == checksum(plain.named_parameters())
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.parametrize(("build", "names"), [(HoldsAnHfModel, []), (Outer, ["Leaf"])],
                          ids=["no_split_modules of a submodule", "parallelism.fsdp_units"])
 def test_model_compile_compiles_the_blocks_fsdp_shards(build: type[nn.Module], names: list[str]) -> None:
