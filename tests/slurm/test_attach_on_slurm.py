@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slurm
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "sbatch.md"
 TEMPLATE_LINE = "srun --kill-on-bad-exit=1 python -m jobs.train optim.max_steps=200"
 SMALL = ["data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=false"]
-# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run.
-LONG = ["model=transformer", "optim.max_steps=120", "data.demo_num_samples=1024", "data.batch_size=32",
+# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run: the test
+# signals at step 10, 50 steps before the end.
+LONG = ["model=transformer", "optim.max_steps=60", "data.demo_num_samples=1024", "data.batch_size=32",
         "log_every_steps=1", "deterministic=true", "telemetry.enabled=false"]
 
 
@@ -132,7 +133,7 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> No
     assert stop is not None, out[-3000:]
     step = int(stop.group(1))
     assert [int(c.stem.removeprefix("step-")) for c in (stopped / "checkpoints").glob("step-*.pt")] == [step]
-    assert step < 120 and not (stopped / "summary.json").exists()
+    assert step < 60 and not (stopped / "summary.json").exists()
     with sbatch(script, tmp_path) as rerun, \
             sbatch(template_with(tmp_path, f"hydra.run.dir={straight}", *LONG), tmp_path) as baseline:
         assert wait_done(rerun) == "COMPLETED"
@@ -140,7 +141,7 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> No
     assert re.search(rf"resumed from {stopped / 'checkpoints'}/step-0*{step}\.pt at step {step}\n",
                      (tmp_path / f"slurm-{rerun}.out").read_text())
     resumed, uninterrupted = (json.loads((d / "summary.json").read_text()) for d in (stopped, straight))
-    assert resumed["steps"] == uninterrupted["steps"] == 120
+    assert resumed["steps"] == uninterrupted["steps"] == 60
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
 
 

@@ -19,8 +19,9 @@ from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 
-# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run.
-LONG = ["cluster=slurm", "parallelism.nodes=2", "model=transformer", "optim.max_steps=120",
+# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run: each
+# test signals at step 10 or 15, about 45 steps (3-4 s on this machine) before the end.
+LONG = ["cluster=slurm", "parallelism.nodes=2", "model=transformer", "optim.max_steps=60",
         "data.demo_num_samples=1024", "data.batch_size=32", "log_every_steps=1", "deterministic=true",
         "checkpoint.keep_last=3"]
 
@@ -83,7 +84,7 @@ def test_signalled_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued
     """Before: with data.num_workers=2 a worker died of SIGTERM and the trainer raised
     "DataLoader worker (pid N) is killed by signal: Terminated" with no checkpoint."""
     resumed, uninterrupted = signalled_beside_a_reference(tmp_path, queued)
-    assert resumed["steps"] == uninterrupted["steps"] == 120
+    assert resumed["steps"] == uninterrupted["steps"] == 60
     # workers change nothing of the order: the reference ran with none
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
     assert resumed["samples_per_rank"] == uninterrupted["samples_per_rank"]
@@ -165,7 +166,7 @@ def test_a_signalled_fsdp_job_is_requeued_and_ends_bit_identical(tmp_path: Path,
     """fsdp under SLURM's time-limit signal: every rank writes its shard, rank 0 requeues, and the
     job resumed from the sharded checkpoint ends with the weights of a run never interrupted."""
     resumed, uninterrupted = signalled_beside_a_reference(
-        tmp_path, queued, "parallelism.strategy=fsdp", "optim.max_steps=60")
+        tmp_path, queued, "parallelism.strategy=fsdp")
     assert ".dcp at step" in all_logs(tmp_path / "run")
     assert resumed["steps"] == uninterrupted["steps"] == 60
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
@@ -180,7 +181,7 @@ def test_a_sigterm_with_dataloader_workers_stops_at_a_step_and_checkpoints(
     is killed by signal: Terminated" with no checkpoint, and sacct said FAILED. (USR2 with workers:
     the two bit-identical requeue tests above.)"""
     run_dir = tmp_path / "run"
-    extra = ["parallelism.strategy=fsdp", "optim.max_steps=60"] if strategy == "fsdp" else []
+    extra = ["parallelism.strategy=fsdp"] if strategy == "fsdp" else []
     job_id = submit_without_waiting(tmp_path, "run", "data.num_workers=2", *extra)
     queued.append(job_id)
     wait_for_step(run_dir, 15)
