@@ -25,6 +25,7 @@ A CPU run is held against the machine's memory per rank.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -334,6 +335,7 @@ def tracked_steps(cfg: TrainConfig, task: Task, model: nn.Module, optimizer: tor
     else:
         tracker = MemTracker()
         tracker.track_external(model, optimizer, *batch.values())
+    global_peak_only(tracker)
     micro_batches = min(cfg.optim.grad_accum_steps, 2)
     denominator = task.denominator(cfg.data.batch_size) * cfg.optim.grad_accum_steps
     amp = strategy.autocast_amp(cfg.parallelism, cfg.memory)
@@ -352,6 +354,28 @@ def tracked_steps(cfg: TrainConfig, task: Task, model: nn.Module, optimizer: tor
             name = getattr(key, "name", str(key))
             peak[name] = peak.get(name, 0) + int(value)
     return peak
+
+
+def global_peak_only(tracker: Any) -> None:
+    """The estimate reads the tracker's peak over the whole step alone. On every operator torch's
+    ``_update_peak_stats`` also walks every module the tracker has seen, to keep each one's own
+    peak: a quarter of the estimate's CPU on a 1024-wide, 8-layer transformer, every module visited
+    about 10,000 times. This keeps the global peak and its snapshot exactly as torch does, and
+    leaves a tracker whose private attributes differ (another torch) as it is."""
+    from torch.distributed._tools import mem_tracker
+
+    total = getattr(mem_tracker, "_TOTAL_KEY", None)
+    if total is None or not all(hasattr(tracker, name) for name in
+                                ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_update_peak_stats")):
+        return
+
+    def update_peak(peak_state: Any) -> None:
+        for device, snapshot in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(device, 0) < snapshot[total]:
+                tracker._peak_mem[device] = snapshot[total]
+                tracker._peak_mem_snap[device] = copy.deepcopy(snapshot)
+
+    tracker._update_peak_stats = update_peak
 
 
 # the trackers' categories (MemTracker's and FSDPMemTracker's enum names) -> the report's

@@ -124,6 +124,17 @@ def test_the_estimate_is_within_15_percent_of_a_real_cpu_step(name: str, cache: 
     assert found.peak == sum(v for k, v in found.as_dict().items() if k != "peak")
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp, world 2", "accumulation"])
+def test_the_global_peak_alone_is_torchs_own_peak(name: str, cache: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracker keeps no per-module peaks (``global_peak_only``, half the estimate's time): the
+    step's peak snapshot, by category, is the one torch's whole tracker records."""
+    setup_ = setup([*SMALL, *CPU_CONFIGS[name], f"data.cache_dir={cache}"])
+    fast = estimate.run_estimate(*setup_)
+    monkeypatch.setattr(estimate, "global_peak_only", lambda tracker: None)
+    assert estimate.run_estimate(*setup_) == fast
+
+
 def test_each_option_shrinks_what_it_should(cache: Path) -> None:
     base = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}"]))
     fsdp = estimate.estimate_step(*setup([*SMALL, f"data.cache_dir={cache}", *CPU_CONFIGS["fsdp, world 2"]]))
