@@ -431,12 +431,14 @@ def named_gpu(cfg: TrainConfig) -> Capacity | None:
 
 def requested_gpu(cluster: ClusterConfig) -> Capacity | None:
     """The GPU a SLURM job asks for: a type in ``cluster.sbatch_args`` (``--gres=gpu:h100:4``), a
-    ``cluster.constraint``, or the partition's GRES."""
-    for source in [*cluster.sbatch_args, cluster.constraint or "", *partition_gres(cluster.partition)]:
-        known = gpu_by_name(source)
-        if known is not None:
-            return known
-    return None
+    ``cluster.constraint``, or the partition's GRES, asked of SLURM only when the job's own
+    arguments name no GPU (``sinfo`` waits up to its timeout when the controller is down)."""
+    return first_gpu([*cluster.sbatch_args, cluster.constraint or ""]) or \
+        first_gpu(partition_gres(cluster.partition))
+
+
+def first_gpu(texts: list[str]) -> Capacity | None:
+    return next((known for known in map(gpu_by_name, texts) if known is not None), None)
 
 
 def gpu_by_name(text: str) -> Capacity | None:

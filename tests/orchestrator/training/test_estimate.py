@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from jobs.demo_data import ensure_demo_dataset
-from orchestrator.config import ConfigError, TrainConfig, register_configs
+from orchestrator.config import ClusterConfig, ConfigError, TrainConfig, register_configs
 from orchestrator.training import checks, estimate, step
 from orchestrator.training.estimate import GIB, Capacity, Estimate, MemoryReport
 from orchestrator.training.tasks import Batch, Task, build_task
@@ -186,6 +186,24 @@ def test_gpu_sizes_come_from_the_config_the_gres_type_or_the_host() -> None:
     assert estimate.gpu_capacity(cfg) == Capacity(80 * GIB, "H100", True)
     cpu = estimate.gpu_capacity(compose_config(["parallelism.procs_per_node=2"]))
     assert cpu is not None and not cpu.is_gpu and cpu.name == "host memory per rank"
+
+
+def test_a_gpu_named_in_the_jobs_arguments_asks_nothing_of_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partition's GRES is read (sinfo) only when sbatch_args and the constraint name no GPU:
+    sinfo ran for every slurm estimate, and waited its 30 s timeout when the controller was down."""
+    asked: list[str | None] = []
+
+    def partition_gres(partition: str | None) -> list[str]:
+        asked.append(partition)
+        return ["gpu:a100:4"]
+
+    monkeypatch.setattr(estimate, "partition_gres", partition_gres)
+    named = ClusterConfig(mode="slurm", sbatch_args=["--gres=gpu:h100:4"])
+    assert estimate.requested_gpu(named) == Capacity(80 * GIB, "H100", True) and asked == []
+    assert estimate.requested_gpu(ClusterConfig(mode="slurm", constraint="h200")).bytes == 141 * GIB
+    assert asked == []
+    assert estimate.requested_gpu(ClusterConfig(mode="slurm", partition="gpu")).bytes == 40 * GIB
+    assert asked == ["gpu"]
 
 
 def test_the_submission_line_and_the_table_name_the_peak_and_the_gpu() -> None:
