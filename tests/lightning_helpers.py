@@ -47,22 +47,28 @@ def eval_counts(record: Path, rank: int) -> list[float]:
 def uninterrupted(train: Path, world: int, epochs: int, batch_size: int = 4
                   ) -> list[list[tuple[int, list[int]]]]:
     """What each rank of an uninterrupted run of the recipe trains on, in `seen`'s form, for ranks
-    0..world-1: the recipe's data module (seed 0, padding, no length grouping) is a ShardedSampler
-    per rank and make_loader over it, a fresh epoch set at each epoch's start. The tests compare a
-    signalled, resumed run with this instead of training a whole second run of the recipe (about
-    5 s of CPU per rank, most of it importing Lightning); when both ran, both gave these batches."""
-    from sharding import ShardedSampler, make_loader, open_dataset
+    0..world-1: the recipe's own ShardedDataModule, set up as a Trainer of `world` ranks sets it up,
+    its training loader taken at each epoch's start and each batch counted as its callback counts
+    it. The tests compare a signalled, resumed run with this instead of training a whole second run
+    of the recipe (about 5 s of CPU per rank, most of it importing Lightning); when both ran, both
+    gave these batches."""
+    from types import SimpleNamespace
 
-    dataset = open_dataset(train)
+    from sharding.lightning import ShardedDataModule
+
     ranks = []
     for rank in range(world):
-        sampler = ShardedSampler(dataset.shard_counts, world_size=world, rank=rank, seed=0, policy="pad")
-        loader = make_loader(dataset, sampler, batch_size)
+        trainer = SimpleNamespace(world_size=world, global_rank=rank, current_epoch=0, callbacks=[],
+                                  _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+        module = ShardedDataModule(train=train, batch_size=batch_size)
+        module.trainer = trainer
+        module.setup("fit")
+        [advance] = trainer.callbacks  # the callback setup adds: it counts each batch at its start
         batches = []
         for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            for batch in loader:
+            trainer.current_epoch = epoch
+            for batch in module.train_dataloader():
+                advance.on_train_batch_start(trainer, None, batch, len(batches))
                 batches.append((epoch, batch["index"][~batch["is_pad"]].tolist()))
-                sampler.advance(len(batch["index"]))
         ranks.append(batches)
     return ranks

@@ -438,6 +438,7 @@ def requested_gpu(cluster: ClusterConfig) -> Capacity | None:
 
 
 def first_gpu(texts: list[str]) -> Capacity | None:
+    """The first known GPU any of ``texts`` names (``gpu_by_name``); None: none named."""
     return next((known for known in map(gpu_by_name, texts) if known is not None), None)
 
 
