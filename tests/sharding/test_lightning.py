@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from lightning_helpers import (
 
 from sharding.lightning import REFUSAL, LightningSetupError, sample_sums
 
-pl = pytest.importorskip("lightning.pytorch")
+# Lightning itself is imported by the tests that fit in this process (lightning_modules), not here
+pytestmark = pytest.mark.skipif(find_spec("lightning") is None, reason="needs lightning")
 
 
 def run(tmp_path: Path, run_dir: str, record: Path, *args: str, overrides: tuple[str, ...] = ()
@@ -86,26 +88,14 @@ def test_sample_sums_leave_padding_entries_out() -> None:
         sample_sums(torch.zeros(3, 2), torch.zeros(3, dtype=torch.bool))
 
 
-class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(8, 4)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.linear(batch["x"].sum(1)).sum()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def test_a_trainer_that_would_replace_the_sampler_is_refused_in_one_line(data: Path) -> None:
+    from lightning_modules import Tiny, trainer
+
     from sharding.lightning import ShardedDataModule
 
     dm = ShardedDataModule(train=data / "train", batch_size=4)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False)  # default: True
     with pytest.raises(LightningSetupError) as refused:
-        trainer.fit(_Tiny(), datamodule=dm)
+        trainer(max_steps=1).fit(Tiny(), datamodule=dm)  # use_distributed_sampler: True by default
     assert str(refused.value) == REFUSAL and "\n" not in REFUSAL
     assert "Trainer(use_distributed_sampler=False)" in REFUSAL
 
@@ -147,35 +137,13 @@ def test_the_standalone_pytorch_lightning_package_works_too(data: Path) -> None:
     assert "segments [[1, 12]]" in proc.stdout  # 3 batches of 4 advanced the sampler
 
 
-class _Recorder(pl.Callback):
-    """Records each training batch's real samples; saves a checkpoint at batch `save_at`."""
-
-    def __init__(self, save_at: int | None = None, path: Path | None = None) -> None:
-        self.batches: list[list[int]] = []
-        self.save_at, self.path = save_at, path
-
-    def on_train_batch_end(self, trainer: object, module: object, outputs: object,
-                           batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.batches.append(batch["index"][~batch["is_pad"]].tolist())
-        if len(self.batches) == self.save_at and self.path is not None:
-            trainer.save_checkpoint(self.path)  # type: ignore[attr-defined]
-
-
-def _fit(data: Path, recorder: _Recorder, ckpt: Path | None = None) -> None:
-    from sharding.lightning import ShardedDataModule
-
-    dm = ShardedDataModule(train=data / "train", batch_size=8, group_by_length=True, seed=3)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, use_distributed_sampler=False,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[recorder])
-    trainer.fit(_Tiny(), datamodule=dm, ckpt_path=ckpt)
-
-
 def test_a_length_grouped_epoch_resumes_at_the_next_batch_in_process(data: Path) -> None:
-    whole = _Recorder(save_at=17, path=data / "mid.ckpt")  # 12 batches an epoch: epoch 1, batch 5
-    _fit(data, whole)
-    resumed = _Recorder()
-    _fit(data, resumed, ckpt=data / "mid.ckpt")
+    from lightning_modules import Recorder, fit
+
+    whole = Recorder(save_at=17, path=data / "mid.ckpt")  # 12 batches an epoch: epoch 1, batch 5
+    fit(data, whole)
+    resumed = Recorder()
+    fit(data, resumed, ckpt=data / "mid.ckpt")
     assert len(whole.batches) == 24 and resumed.batches == whole.batches[17:]
 
 
@@ -183,13 +151,12 @@ def test_a_data_module_reused_by_a_second_trainer_still_counts_its_batches(data:
     """The callback that advances the sampler was attached to the first Trainer only: a second
     Trainer's batches went uncounted, so its checkpoints held the first one's position and a resume
     from them trained those batches again."""
+    from lightning_modules import Tiny, trainer
+
     from sharding.lightning import ShardedDataModule
 
     dm = ShardedDataModule(train=data / "train", batch_size=4)
     for steps in (3, 5):
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, use_distributed_sampler=False,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False)
-        trainer.fit(_Tiny(), datamodule=dm)
+        trainer(max_steps=steps, use_distributed_sampler=False).fit(Tiny(), datamodule=dm)
         state = dm.state_dict()  # each new fit starts the data from the epoch's start, as the model's
         assert state["batches_done"] == steps and state["sampler"]["segments"] == [[1, 4 * steps]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from jobs.prepare import prepare
 from orchestrator.config import ConfigError, PrepareConfig
 from sharding import open_dataset
 
-datasets = pytest.importorskip("datasets")
+pytestmark = pytest.mark.skipif(find_spec("datasets") is None, reason="needs datasets")
 
 # feats: one row of 3 features ([rows, features], what task=classify's row models read)
 ROWS = [{"text": f"row {i} says hello", "feats": [[float(i), i / 2.0, -1.0]], "label": i % 3}
@@ -28,7 +29,16 @@ def _config(input_path: Path, output: Path, **kwargs: Any) -> PrepareConfig:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def datasets() -> Any:
+    """The library, imported by the worker that runs these tests, not by every worker's collection
+    (pandas and pyarrow come with it)."""
+    import datasets
+
+    return datasets
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory, datasets: Any) -> Path:
     """A DatasetDict with train/test splits, label a ClassLabel, as save_to_disk writes it."""
     features = datasets.Features({"text": datasets.Value("string"),
                                   "feats": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
@@ -52,7 +62,7 @@ def test_a_saved_split_becomes_fields_and_labels_with_its_class_names(saved: Pat
     assert test.num_samples == 2
 
 
-def test_an_image_column_becomes_uint8_channels_a_palette_its_colours(tmp_path: Path) -> None:
+def test_an_image_column_becomes_uint8_channels_a_palette_its_colours(tmp_path: Path, datasets: Any) -> None:
     """As the image folder reads images: a palette image (PNG/GIF "P" mode) is its colours, RGB,
     not its palette indices in one channel."""
     from PIL import Image
@@ -72,7 +82,7 @@ def test_an_image_column_becomes_uint8_channels_a_palette_its_colours(tmp_path: 
     assert second[:, 1, 3].tolist() == [7, 8, 9]
 
 
-def test_a_parquet_text_column_is_tokenized_as_text_is(tmp_path: Path) -> None:
+def test_a_parquet_text_column_is_tokenized_as_text_is(tmp_path: Path, datasets: Any) -> None:
     datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "rows.parquet"))
     prepare(_config(tmp_path / "rows.parquet", tmp_path / "out", text_field="text"))  # format=auto
     ds = open_dataset(tmp_path / "out")
@@ -133,7 +143,7 @@ def test_the_command_prints_one_error_line_for_a_wrong_split(saved: Path, tmp_pa
 
 
 @pytest.mark.parametrize("task", ["causal_lm", "classify"])
-def test_what_format_hf_prepares_trains(saved: Path, tmp_path: Path, task: str) -> None:
+def test_what_format_hf_prepares_trains(saved: Path, tmp_path: Path, task: str, datasets: Any) -> None:
     """Parquet text to causal_lm (its vocabulary from the recorded tokenizer); a saved split's
     fields and ClassLabel to classify (its classes from the dataset): both train, in one rank."""
     from rank_helpers import one_rank
