@@ -135,9 +135,14 @@ def test_the_cache_is_published_loaded_at_a_resume_and_a_bad_one_ignored(
         f"ignored the compile cache {cache}: written by torch 0.0.1, this is torch {torch.__version__}; "
         f"compiling from scratch"]
     assert other["compile"]["cache"] == "published"  # rank 0 replaced it with its own
+    # damaged: refused by the same load_cache, before a kernel lands in a node's code cache (a run
+    # around it would train as the torch-version case above did)
+    node3 = tmp_path / "node3"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node3))
     cache.write_bytes(good[:-10] + b"0123456789")  # the last kernel's tail
-    damaged = train(rank, data, run, config(data, backend="inductor", steps=5))
-    assert "its checksum does not match (damaged)" in damaged["compile"]["warnings"][0]
+    assert compiling.load_cache(cache) == (False, f"ignored the compile cache {cache}: its checksum "
+                                                  f"does not match (damaged); compiling from scratch")
+    assert compiling.binaries(node3) == set()
 
 
 @pytest.mark.parametrize(("kernels", "why"), [
