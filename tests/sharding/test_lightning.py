@@ -5,6 +5,7 @@ and a Trainer that would replace the sampler refused."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -46,11 +47,17 @@ def data(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_two_ranks_count_each_eval_sample_once_and_an_interrupted_epoch_resumes_exactly(data: Path) -> None:
+def test_an_interrupted_epoch_resumes_exactly_at_the_same_world_size_and_at_another(data: Path) -> None:
+    """One cut, resumed twice: in its own run directory at world 2, and from a copy of its
+    checkpoint at world 1 (a cut costs two recipe ranks, about 5 s of CPU each)."""
     # 12 batches per rank per epoch: SIGUSR2 after 17 lands mid-epoch 1 (the helper's real handler)
     first = run(data, "cut", data / "cut", "--stop-after", "17")
     assert first.returncode != 0 and "asked to be requeued (exit 75)" in first.stdout + first.stderr
     assert (data / "cut" / "checkpoints" / "last.ckpt").exists()
+    shutil.copytree(data / "cut" / "checkpoints", data / "other" / "checkpoints")
+    for record in (data / "cut").glob("*-rank*.jsonl"):  # what each rank trained and evaluated on
+        shutil.copy(record, data / "other" / record.name)
+
     again = run(data, "cut", data / "cut", "--stop-after", "17")  # the same run dir: resumes
     assert again.returncode == 0, again.stdout + again.stderr[-3000:]
     # an uninterrupted run's batches, from the data module's sampler and loader (a whole second
@@ -64,19 +71,15 @@ def test_two_ranks_count_each_eval_sample_once_and_an_interrupted_epoch_resumes_
         assert len(per_rank[0]) == len(per_rank[1]) == TRAIN_SAMPLES // 2
         assert sorted(per_rank[0] + per_rank[1]) == list(range(TRAIN_SAMPLES))
 
-
-def test_a_resume_at_another_world_size_reads_each_sample_once(data: Path) -> None:
-    first = run(data, "cut", data / "cut", "--stop-after", "5", "--epochs", "1")  # mid-epoch 0
-    assert first.returncode != 0 and (data / "cut" / "checkpoints" / "last.ckpt").exists()
-    again = run(data, "cut", data / "cut", "--epochs", "2", overrides=("parallelism.procs_per_node=1",))
-    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
-    assert "world 1 via" in again.stdout + "".join(
-        p.read_text() for p in (data / "cut" / "submitit").glob("*_log.out"))
-    # the resumed epoch, then a whole one at the new world size: Lightning takes the loader's
-    # length once, and the resumed epoch's (its batches done at world 2 + those left at world 1)
-    # once cut every later epoch short
-    for epoch in (0, 1):
-        counts = Counter(i for rank in (0, 1) for e, batch in seen(data / "cut", rank) if e == epoch
+    # at world 1: the resumed epoch (its batches done at world 2 + those left at world 1), then a
+    # whole one at the new world size. Lightning takes the loader's length once, and the resumed
+    # epoch's length once cut every later epoch short.
+    other = run(data, "other", data / "other", "--epochs", "3", overrides=("parallelism.procs_per_node=1",))
+    assert other.returncode == 0, other.stdout + other.stderr[-3000:]
+    assert "world 1 via" in other.stdout + "".join(
+        p.read_text() for p in (data / "other" / "submitit").glob("*_log.out"))
+    for epoch in (0, 1, 2):
+        counts = Counter(i for rank in (0, 1) for e, batch in seen(data / "other", rank) if e == epoch
                          for i in batch)
         assert sorted(counts) == list(range(TRAIN_SAMPLES)) and set(counts.values()) == {1}, epoch
 
