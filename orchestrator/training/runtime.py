@@ -123,10 +123,14 @@ def enable_determinism(environ: MutableMapping[str, str] | None = None) -> None:
 
 
 def thread_budget(local_world_size: int) -> int:
-    """Threads per rank: the cores this task may run on, shared by the node's ranks. Without a
+    """Threads per rank: the user's ``OMP_NUM_THREADS`` where set (a positive whole number), as
+    under torchrun; else the cores this task may run on, shared by the node's ranks. Without a
     budget each rank would start one thread per core. The cores are the task's cpuset (SLURM's
     --cpus-per-task, taskset), not ``os.cpu_count()``, which counts the whole node: on a 128-core
     node 8 ranks would start 16 threads each, 128 threads switching on 16 allowed cores."""
+    users = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if users.isdigit() and int(users) > 0:
+        return int(users)
     return max(1, len(os.sched_getaffinity(0)) // max(local_world_size, 1))
 
 

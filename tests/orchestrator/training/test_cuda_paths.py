@@ -60,6 +60,7 @@ def test_auto_backend_of_a_cpu_run_on_a_gpu_machine_is_gloo(monkeypatch: pytest.
 def test_thread_budget_is_the_tasks_cpuset_not_the_nodes_cores(monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
     """SLURM gave the task 4 of the node's 128 cores (--cpus-per-task=4): its ranks share those 4."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's (tests/conftest.py)
     monkeypatch.setattr(os, "cpu_count", lambda: 128)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})
     assert [runtime.thread_budget(n) for n in (1, 2, 8)] == [4, 2, 1]
@@ -75,6 +76,16 @@ def test_thread_budget_is_the_tasks_cpuset_not_the_nodes_cores(monkeypatch: pyte
         runtime.stop()
         torch.set_num_threads(before)
     assert rt.backend == "gloo"
+
+
+@pytest.mark.parametrize(("value", "threads"), [("3", 3), ("1", 1), ("0", 2), ("many", 2), ("", 2)])
+def test_the_users_omp_num_threads_is_each_ranks_thread_count(monkeypatch: pytest.MonkeyPatch,
+                                                              value: str, threads: int) -> None:
+    """As under torchrun, an OMP_NUM_THREADS the user set is each rank's, whatever the cpuset's
+    share (2 of 4 cores for 2 ranks here); a value that is no positive whole number is ignored."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert runtime.thread_budget(2) == threads
 
 
 class ReachedCuda(Exception):
