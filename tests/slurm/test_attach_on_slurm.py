@@ -23,10 +23,13 @@ pytestmark = pytest.mark.slurm
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "sbatch.md"
 TEMPLATE_LINE = "srun --kill-on-bad-exit=1 python -m jobs.train optim.max_steps=200"
 SMALL = ["data.demo_num_samples=512", "data.batch_size=16", "telemetry.enabled=false"]
-# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run: the test
-# signals at step 10, 50 steps before the end.
+# Deterministic and slow enough (transformer on 2 cores) to be signalled mid-run: the test signals at
+# step 10, 50 steps before the end. One task per node (ONE_PER_NODE, given to sbatch too): the
+# signal and the rerun still cross both nodes, for about 0.7x the CPU of the template's 4 ranks,
+# each a new interpreter under srun (tests/conftest.py holds each rank to one OpenMP thread).
 LONG = ["model=transformer", "optim.max_steps=60", "data.demo_num_samples=1024", "data.batch_size=32",
-        "log_every_steps=1", "deterministic=true", "telemetry.enabled=false"]
+        "log_every_steps=1", "deterministic=true", "telemetry.enabled=false", "parallelism.procs_per_node=1"]
+ONE_PER_NODE = "--ntasks-per-node=1"
 
 
 def documented_template() -> str:
@@ -48,10 +51,12 @@ def template_with(tmp_path: Path, *overrides: str) -> Path:
 
 
 @contextlib.contextmanager
-def sbatch(script: Path, cwd: Path) -> Iterator[str]:
-    """Queue a script (output in cwd/slurm-<id>.out); cancelled when the test ends, pass or fail."""
-    job_id = subprocess.run(["sbatch", "--parsable", f"--chdir={cwd}", f"--output={cwd}/slurm-%j.out",
-                             str(script)], capture_output=True, text=True, check=True).stdout.strip()
+def sbatch(script: Path, cwd: Path, *options: str) -> Iterator[str]:
+    """Queue a script (output in cwd/slurm-<id>.out), ``options`` before it on sbatch's command line
+    (they override its #SBATCH lines); cancelled when the test ends, pass or fail."""
+    command = ["sbatch", "--parsable", f"--chdir={cwd}", f"--output={cwd}/slurm-%j.out", *options,
+               str(script)]
+    job_id = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
     try:
         yield job_id
     finally:
@@ -124,7 +129,7 @@ def wait_for_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
 def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     script = template_with(tmp_path, f"hydra.run.dir={stopped}", *LONG)
-    with sbatch(script, tmp_path) as job_id:
+    with sbatch(script, tmp_path, ONE_PER_NODE) as job_id:
         wait_for_step(stopped, 10)
         subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
         wait_done(job_id)
@@ -134,8 +139,9 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> No
     step = int(stop.group(1))
     assert [int(c.stem.removeprefix("step-")) for c in (stopped / "checkpoints").glob("step-*.pt")] == [step]
     assert step < 60 and not (stopped / "summary.json").exists()
-    with sbatch(script, tmp_path) as rerun, \
-            sbatch(template_with(tmp_path, f"hydra.run.dir={straight}", *LONG), tmp_path) as baseline:
+    with sbatch(script, tmp_path, ONE_PER_NODE) as rerun, \
+            sbatch(template_with(tmp_path, f"hydra.run.dir={straight}", *LONG), tmp_path,
+                   ONE_PER_NODE) as baseline:
         assert wait_done(rerun) == "COMPLETED"
         assert wait_done(baseline) == "COMPLETED"
     assert re.search(rf"resumed from {stopped / 'checkpoints'}/step-0*{step}\.pt at step {step}\n",

@@ -19,11 +19,16 @@ from orchestrator.launch import slurm_query
 
 pytestmark = pytest.mark.slurm
 
-# Deterministic and slow enough (transformer, 4 ranks on 2 cores) to be signalled mid-run: each
-# test signals at step 10 or 15, about 45 steps (3-4 s on this machine) before the end.
+# Deterministic and slow enough (transformer on 2 cores) to be signalled mid-run: each test signals
+# at step 10 or 15, about 45 steps (2-4 s on this machine) before the end; the signal lands within
+# 2 or 3 steps. Two ranks per node (4 ranks) where a test needs a node's second rank (the kill
+# tests); the signal tests run one per node (ONE_PER_NODE, 2 ranks): signals, requeues and resumes
+# still cross the two nodes, for about 0.7x the CPU of 4 ranks (tests/conftest.py holds each rank
+# to one OpenMP thread).
 LONG = ["cluster=slurm", "parallelism.nodes=2", "model=transformer", "optim.max_steps=60",
         "data.demo_num_samples=1024", "data.batch_size=32", "log_every_steps=1", "deterministic=true",
         "checkpoint.keep_last=3"]
+ONE_PER_NODE = "parallelism.procs_per_node=1"
 
 
 def train(tmp_path: Path, name: str, *overrides: str, timeout_s: float = 600
@@ -63,10 +68,10 @@ def signalled_beside_a_reference(tmp_path: Path, queued: list[str], *overrides: 
     """A job signalled with USR2 at step 15 and requeued (data.num_workers=2, as on GPU nodes:
     SLURM signals the forked workers too), beside the same run without workers nor signal, both
     queued at once (the partition oversubscribes): (its summary, the reference's)."""
-    reference = submit_without_waiting(tmp_path, "reference", *overrides)
+    reference = submit_without_waiting(tmp_path, "reference", ONE_PER_NODE, *overrides)
     queued.append(reference)
     run_dir = tmp_path / "run"
-    job_id = submit_without_waiting(tmp_path, "run", "data.num_workers=2", *overrides)
+    job_id = submit_without_waiting(tmp_path, "run", ONE_PER_NODE, "data.num_workers=2", *overrides)
     queued.append(job_id)
     wait_for_step(run_dir, 15)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
@@ -92,7 +97,7 @@ def test_signalled_job_is_requeued_and_ends_bit_identical(tmp_path: Path, queued
 
 def test_requeue_cap_stops_cleanly(tmp_path: Path, queued: list[str]) -> None:
     run_dir = tmp_path / "run"
-    job_id = submit_without_waiting(tmp_path, "run", "cluster.max_requeues=0")
+    job_id = submit_without_waiting(tmp_path, "run", ONE_PER_NODE, "cluster.max_requeues=0")
     queued.append(job_id)
     wait_for_step(run_dir, 10)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
@@ -182,7 +187,7 @@ def test_a_sigterm_with_dataloader_workers_stops_at_a_step_and_checkpoints(
     the two bit-identical requeue tests above.)"""
     run_dir = tmp_path / "run"
     extra = ["parallelism.strategy=fsdp"] if strategy == "fsdp" else []
-    job_id = submit_without_waiting(tmp_path, "run", "data.num_workers=2", *extra)
+    job_id = submit_without_waiting(tmp_path, "run", ONE_PER_NODE, "data.num_workers=2", *extra)
     queued.append(job_id)
     wait_for_step(run_dir, 15)
     subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
