@@ -88,7 +88,9 @@ def test_the_documented_template_runs_one_job_of_four_ranks(tmp_path: Path) -> N
 
 
 def test_a_config_that_contradicts_the_launch_is_refused_by_rank_zero_only(tmp_path: Path) -> None:
-    with sbatch(template_with(tmp_path, "parallelism.nodes=1", *SMALL), tmp_path) as job_id:
+    # one task per node: rank 1, on the other node, checks and stays silent as ranks 1-3 of four did
+    script = template_with(tmp_path, "parallelism.nodes=1", "parallelism.procs_per_node=1", *SMALL)
+    with sbatch(script, tmp_path, ONE_PER_NODE) as job_id:
         wait_done(job_id)
     out = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert out.count("error: parallelism.nodes=1 contradicts the launch: srun (job "
@@ -151,9 +153,10 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_exactly(tmp_path: Path) -> No
     assert resumed["param_checksum_per_rank"] == uninterrupted["param_checksum_per_rank"]
 
 
-def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path) -> None:
+def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path, queued: list[str]) -> None:
     run_dir = tmp_path / "run"
-    common = ["cluster=slurm", "parallelism.nodes=2", "optim.max_steps=10",
+    # cluster.wait=false: the script is what is compared, so the job is cancelled once queued
+    common = ["cluster=slurm", "parallelism.nodes=2", "optim.max_steps=10", "cluster.wait=false",
               f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
               'cluster.sbatch_args=["--mail-type=NONE"]', *SMALL]
     dry = run_train(*common, "cluster.dry_run=true", timeout=300)
@@ -163,6 +166,7 @@ def test_the_dry_run_prints_the_script_that_is_really_submitted(tmp_path: Path) 
     real = run_train(*common, timeout=300)
     assert real.returncode == 0, real.stderr[-3000:]
     job_id = re.search(r"slurm_job_id: (\S+)", real.stdout).group(1)  # type: ignore[union-attr]
+    queued.append(job_id)
     submitted = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
     assert printed == submitted
     assert "#SBATCH --mail-type=NONE" in submitted
