@@ -25,8 +25,9 @@ SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "S
              "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "85", "SLURMD_NODENAME": "n1"}
 
 
-def test_torchrun_standalone_is_one_job_of_two_ranks(tmp_path: Path) -> None:
-    """Before: each torchrun worker submitted a 2-rank local job of its own (two jobs, 4 ranks)."""
+def test_torchrun_standalone_is_one_job_of_two_ranks_and_a_refused_resume_is_one_line(tmp_path: Path) -> None:
+    """Before: each torchrun worker submitted a 2-rank local job of its own (two jobs, 4 ranks).
+    Issue 27: a resume refused on every rank printed the refusal as a traceback from each."""
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2",
          "-m", "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}"],
@@ -36,6 +37,13 @@ def test_torchrun_standalone_is_one_job_of_two_ranks(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and len(set(summary["param_checksum_per_rank"])) == 1
     assert proc.stdout.count("summary: ") == 1 and not (run_dir / "submitit").exists()
+
+    refused = torchrun(tmp_path, "optim.name=sgd", run_dir=run_dir)  # its checkpoint's optimizer is adamw
+    _, err = refused.communicate(timeout=300)
+    assert refused.returncode != 0
+    assert err.count("error: cannot resume from ") == 1, err[-3000:]
+    assert "optim.name: checkpoint 'adamw', now 'sgd'" in err
+    assert "CheckpointError" not in err and "exitcode: 2" in err, "one line, exit 2, no rank's traceback"
 
 
 def test_a_second_run_in_a_busy_run_directory_is_refused_before_submission(tmp_path: Path) -> None:
@@ -169,23 +177,12 @@ def test_three_gpus_for_four_tasks_leave_one_without() -> None:
         attach.fit_to_launch(ParallelismConfig(gpus_per_node=4), launch, set(), "srun", 3)
 
 
-def torchrun(tmp_path: Path, *overrides: str) -> subprocess.Popen[str]:
+def torchrun(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", "-m",
-         "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
-         *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-
-
-def test_a_resume_refusal_under_torchrun_is_one_line_printed_once(tmp_path: Path) -> None:
-    """Issue 27: every rank printed the refusal as a traceback."""
-    _, err = (first := torchrun(tmp_path)).communicate(timeout=300)
-    assert first.returncode == 0, err[-3000:]
-    refused = torchrun(tmp_path, "optim.name=sgd")  # the checkpoint's optimizer state is adamw's
-    _, err = refused.communicate(timeout=300)
-    assert refused.returncode != 0
-    assert err.count("error: cannot resume from ") == 1, err[-3000:]
-    assert "optim.name: checkpoint 'adamw', now 'sgd'" in err
-    assert "CheckpointError" not in err and "exitcode: 2" in err, "one line, exit 2, no rank's traceback"
+         "jobs.train", *SMALL, f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.run.dir={run_dir or tmp_path / 'run'}", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 
 
 def waiting_pid(beats: Path) -> int | None:
