@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from orchestrator import atomic
-from orchestrator.config import ConfigError, TrainConfig, group_dict
+from orchestrator.config import ConfigError, TrainConfig
 from orchestrator.launch import dist_env, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import clear_end_summary, register_rank
@@ -32,21 +32,11 @@ ALL_RANK_MODULES = (*RANK_MODULES, *FSDP_MODULES)
 
 
 def rank_modules(cfg: TrainConfig) -> tuple[str, ...]:
-    """What a rank imports before its first step, for a local job's controller or a SLURM node's
-    launcher to import once and fork its ranks from (``orchestrator.launch.fork_start``,
-    ``node_launcher``): this module and ``torch._dynamo``, fsdp's stack where the run shards, and
-    the modules the model's and the task's ``_target_`` name. A Hugging Face model's brings
-    ``transformers``, about 2 s of CPU that each rank paid again after the fork. A module that
-    starts a thread or CUDA at import makes the fork unsafe: the ranks are then started, as
-    ``fork_safety.why_not_fork`` says on stderr."""
-    targets = (_target_module(cfg.model), _target_module(cfg.task))
-    return tuple(dict.fromkeys((*RANK_MODULES, *(FSDP_MODULES if cfg.parallelism.strategy == "fsdp" else ()),
-                                *(module for module in targets if module))))
-
-
-def _target_module(group: Any) -> str | None:
-    target = group_dict(group).get("_target_")
-    return target.rpartition(".")[0] if isinstance(target, str) and "." in target else None
+    """What a rank imports before its first step, for a local job's controller to import once and
+    fork its ranks from (``orchestrator.launch.fork_start``). Never the user's ``model._target_``
+    module: imported before the fork, a module-level value it read from the environment (a device
+    from ``LOCAL_RANK``) would be the forking process's on every rank."""
+    return (*RANK_MODULES, *(FSDP_MODULES if cfg.parallelism.strategy == "fsdp" else ()))
 
 
 def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, Any]:

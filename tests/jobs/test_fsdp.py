@@ -251,6 +251,10 @@ import torch
 
 from jobs.models import RowPoolingMLP
 
+# where this module was imported: import-<pid> (a forked rank must import it itself, with its rank's
+# environment, not inherit it from the process that forked it)
+(Path(os.environ["SWITCHYARD_TEST_BUILD_LOG"]) / f"import-{os.getpid()}").touch()
+
 
 class Net(RowPoolingMLP):
     """Refuses the meta device as from_pretrained does, and initialises its own weights (as a new
@@ -286,6 +290,10 @@ def test_a_model_that_loads_its_weights_starts_alike_on_every_fsdp_rank(tmp_path
 
     last = {pid: last_build(pid) for pid in ranks}
     assert len(ranks) == 2 and len(set(last.values())) == 1, last
+    # the user's module is imported by each rank, after its fork: a module-level value read from the
+    # rank's environment (a device from LOCAL_RANK) would otherwise be the forking process's, on
+    # every rank
+    assert all((tmp_path / "builds" / f"import-{pid}").exists() for pid in ranks)
 
 
 def test_only_rank_0_holds_the_whole_model_on_the_host(tmp_path: Path) -> None:

@@ -159,24 +159,6 @@ def test_the_controller_imports_what_the_strategy_needs(strategy: str, fsdp_prel
     assert ("torch.distributed.fsdp" in modules) == fsdp_preloaded
 
 
-def test_the_controller_imports_the_models_and_the_tasks_modules_too() -> None:
-    """A Hugging Face model's module brings ``transformers`` (about 2 s of CPU): imported once for
-    a node's ranks, not again by each after the fork. A module is named once."""
-    import dataclasses
-
-    from hydra import compose, initialize_config_module
-
-    from jobs.train import load_config
-    from orchestrator.training.rank_process import rank_modules
-
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = load_config(compose(config_name="train", overrides=["task=causal_lm", "model=gpt"]))
-    assert rank_modules(cfg)[-2:] == ("jobs.models", "orchestrator.training.tasks.causal_lm")
-    custom = dataclasses.replace(cfg, model={"_target_": "hf_causal_lm.gpt2", "seq_len": 8})
-    assert rank_modules(custom)[-2:] == ("hf_causal_lm", "orchestrator.training.tasks.causal_lm")
-    assert len(set(rank_modules(custom))) == len(rank_modules(custom))
-
-
 # What a rank reports of the process that forked it: the job's controller.
 CONTROLLER_PROBE = """
 import os, psutil

@@ -157,7 +157,6 @@ def test_a_raw_hugging_face_causal_lm_trains_as_its_logits_wrapper_does(data: di
     assert losses[2] == pytest.approx(losses[1], rel=1e-5)
     logs = "".join(p.read_text() for p in (tmp_path / "fsdp" / "submitit").glob("*_log.out"))
     assert "fsdp: 2 units of GPT2Block (the model's _no_split_modules), then the root" in logs
-    assert ", hf_causal_lm, " in logs  # transformers imported once, before the ranks were forked
 
 
 def test_a_pretrained_directory_fine_tunes_checkpoints_and_resumes(data: dict[str, str],
