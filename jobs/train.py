@@ -137,7 +137,7 @@ def check_sweep_point(task_cfg: DictConfig) -> AppGroups:
     """The sweep launcher runs this on every point before anything is queued (registered below)."""
     typed = load_config(task_cfg)
     check_before_submit(typed)  # a point that would not fit its GPU is refused here
-    return AppGroups(typed.cluster, typed.parallelism, rank_process.rank_modules(typed))
+    return AppGroups(typed.cluster, typed.parallelism, rank_process.rank_modules(typed), own_code=True)
 
 
 register_app_check(TrainConfig, check_sweep_point)
@@ -158,7 +158,8 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     paths, memory = check_before_submit(cfg, run_dir)
     code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code,
-                                    container_paths(cfg, paths, run_dir), rank_process.rank_modules(cfg))
+                                    container_paths(cfg, paths, run_dir), rank_process.rank_modules(cfg),
+                                    own_code=True)
     if cfg.cluster.dry_run:
         if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
             print(f"{memory.table()}\n")

@@ -11,6 +11,7 @@ from typing import NoReturn
 from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
+from orchestrator.quick_exit import exit_as_interpreter
 from orchestrator.terminal import one_line, printable
 
 
@@ -227,5 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def console_main() -> NoReturn:
+    """The installed ``switchyard`` command: ``main``, ending as the interpreter would but without
+    its teardown (``quick_exit``): ``switchyard run`` waits on its job and has printed its end."""
+    exit_as_interpreter(lambda: sys.exit(main()), join_threads=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -1007,13 +1007,16 @@ def register_configs() -> None:
 
 @dataclass(frozen=True)
 class AppGroups:
-    """What an app's check hands the sweep launcher for one point: its groups, and the modules its
+    """What an app's check hands the sweep launcher for one point: its groups, the modules its
     ranks import before their first step (forked from one import where ``cluster.forks_ranks``;
-    none: each rank is started as its own process)."""
+    none: each rank is started as its own process), and whether a point's process runs only
+    Switchyard's code (``own_code``: ``jobs.train``, ``switchyard run``; it then ends without the
+    interpreter's teardown, ``launch/job_entry.py``). A user's own app runs its Python there."""
 
     cluster: ClusterConfig
     parallelism: ParallelismConfig
     rank_modules: tuple[str, ...] = ()
+    own_code: bool = False
 
 
 # An app's own checks before submission, by its config schema. An entry point registers its check

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = ("orchestrator", "sharding", "jobs", "hydra_plugins", "switchyard")
 
 BASE = {"orchestrator.config", "orchestrator.atomic", "orchestrator.terminal", "orchestrator.stop_signals",
-        "orchestrator.entry"}
+        "orchestrator.entry", "orchestrator.quick_exit"}
 # unit -> the other first-party units it may import (a unit may always import itself)
 ALLOWED: dict[str, set[str]] = {
     "sharding": {"orchestrator.atomic"},  # durable renames only: atomic imports the standard library alone

@@ -34,7 +34,6 @@ fork (``runtime.seed_everything``), as they did.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import json
@@ -44,11 +43,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -58,7 +55,7 @@ from submitit.local.local import Controller, LocalJob
 from submitit.slurm import slurm
 
 from orchestrator import atomic
-from orchestrator.launch import local_jobs
+from orchestrator.launch import job_entry, local_jobs
 from orchestrator.launch.fork_safety import (
     PRELOAD_ENV,
     THREAD_VARS,
@@ -66,15 +63,15 @@ from orchestrator.launch.fork_safety import (
     why_not_fork,
     why_not_fork_now,
 )
+from orchestrator.quick_exit import exit_as_interpreter
 
 MODULE = "orchestrator.launch.fork_start"
 LAUNCHER_MODULE = "orchestrator.launch.node_launcher"  # the SLURM node launcher (not imported here)
-SUBMIT_SCRIPT = str(Path(submission.__file__).with_name("_submit.py"))  # a started rank's sys.argv[0]
 
 
-class ForkingLocalExecutor(submitit.LocalExecutor):
+class ForkingLocalExecutor(job_entry.EntryCommand, submitit.LocalExecutor):
     """submitit's LocalExecutor whose controller is this module: the same parameters, job and
-    files; only the ranks' start differs."""
+    files; only the ranks' start differs (a rank started where a fork is unsafe: ``job_entry``)."""
 
     def __init__(self, folder: Path, preload: Sequence[str]) -> None:
         super().__init__(folder=folder)
@@ -380,46 +377,13 @@ def become_rank(folder: Path, env: dict[str, str], stdout_fd: int, stderr_fd: in
         os.dup2(stderr_fd, 2)
         sys.stdout, sys.stderr = unbuffered(1), unbuffered(2)  # as `python -u` started it
         os.environ.update(env)
-        sys.argv = [SUBMIT_SCRIPT, str(folder)]
+        sys.argv = [job_entry.SUBMIT_SCRIPT, str(folder)]
         modules = os.environ.get(PRELOAD_ENV, "").replace(",", ", ")
         print(f"switchyard: rank process forked from {parent}, which imported {modules} once for "
               f"every rank", flush=True)
         submission.process_job(folder)
 
     exit_as_interpreter(rank)
-
-
-def exit_as_interpreter(work: Callable[[], object], join_threads: bool = False) -> NoReturn:
-    """In a forked child: run ``work``, then leave as an interpreter running it would: the status
-    ``sys.exit`` gives, or the traceback and 1; ``atexit``'s functions (torch's, logging's), the
-    output flushed; ``join_threads``: non-daemon threads joined first. Never returns."""
-    code = 1
-    try:
-        work()
-        code = 0
-    except SystemExit as e:
-        code = exit_code(e)
-    except BaseException:  # as the interpreter would: the traceback, exit 1
-        traceback.print_exc()
-    finally:
-        try:
-            if join_threads:
-                threading._shutdown()  # type: ignore[attr-defined]
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def exit_code(e: SystemExit) -> int:
-    """The status ``sys.exit(value)`` gives a process: 0 for None, the int, else 1 (printed)."""
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 def unbuffered(fd: int) -> io.TextIOWrapper:
@@ -434,5 +398,5 @@ def main() -> None:
     ForkingController(Path(sys.argv[1]), preload).run()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a started controller: it ends as a forked one does, without the teardown
+    exit_as_interpreter(main, join_threads=True)

@@ -179,14 +179,14 @@ def start_ranks(folder: Path, layout: Layout, job: str, unsafe: str | None) -> d
     """Fork (or, where unsafe, start) the node's ranks: pid -> global rank."""
     from submitit.core import utils  # after the imports (why_not_fork): submitit imports numpy
 
-    from orchestrator.launch import fork_start
+    from orchestrator.launch import fork_start, job_entry
     started: dict[int, int] = {}
     for local, rank in enumerate(layout.ranks):
         paths = utils.JobPaths(folder, job, rank)
         env = layout.rank_env(local)
         with open(paths.stdout, "a") as out, open(paths.stderr, "a") as err:
             if unsafe:
-                command = [sys.executable, "-u", "-m", "submitit.core._submit", str(folder)]
+                command = [sys.executable, "-u", "-m", job_entry.MODULE, str(folder)]
                 proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=err)
                 started[proc.pid] = rank
                 continue

@@ -91,26 +91,28 @@ class SubmissionError(ConfigError):
 def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
                   folder: Path, code: snapshot.Snapshot | None = None,
                   paths: Sequence[tuple[str, str | Path | None]] = (),
-                  rank_modules: Sequence[str] = ()) -> submitit.Executor:
+                  rank_modules: Sequence[str] = (), own_code: bool = False) -> submitit.Executor:
     """The executor for ``cluster.mode``; one task per GPU, or per process on CPU. On SLURM, with
     ``code``, every rank imports from that snapshot (``snapshot.setup_lines``). ``paths``: (config
     key, path) the ranks read or write, mounted into ``cluster.container``'s image.
     ``rank_modules``: what every rank imports before its first step; one process per node imports
     them once and forks the ranks (``fork_start``: a local job's controller, SLURM's node launcher)
-    where ``cluster.forks_ranks``."""
+    where ``cluster.forks_ranks``. ``own_code``: the job's process runs Switchyard's code, not a
+    user's Python function, and ends without the interpreter's teardown (``job_entry``)."""
     if cluster.mode == "debug":
         from orchestrator.launch import fork_start
         fork_start.release_template()  # it trains here
         return submitit.DebugExecutor(folder=folder)
     forked = rank_modules if cluster.forks_ranks else ()
     if cluster.mode == "local":
-        return new_executor("local", local_parameters(cluster, parallelism), folder, rank_modules=forked)
+        return new_executor("local", local_parameters(cluster, parallelism), folder, rank_modules=forked,
+                            own_code=own_code)
     check_log_folder(folder)
     params = slurm_parameters(cluster, parallelism)
     if code is not None:
         params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
     params.update(container_parameters(cluster, parallelism, folder.parent, code, paths, params["setup"]))
-    return new_executor("slurm", params, folder, cluster.max_requeues, rank_modules=forked)
+    return new_executor("slurm", params, folder, cluster.max_requeues, rank_modules=forked, own_code=own_code)
 
 
 def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
@@ -134,20 +136,23 @@ def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
 
 
 def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeues: int = 0,
-                 array_parallelism: int | None = None, rank_modules: Sequence[str] = ()) -> submitit.Executor:
+                 array_parallelism: int | None = None, rank_modules: Sequence[str] = (),
+                 own_code: bool = False) -> submitit.Executor:
     """A local or SLURM executor from its submitit parameters: the one factory behind single jobs
     (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
     ``array_parallelism`` (SLURM only): at most this many tasks of one array at once.
     ``rank_modules``: one process per node (the local controller, SLURM's node launcher) imports
-    them once and forks the ranks (``fork_start``), for a single job or each task of an array."""
-    from orchestrator.launch import fork_start
+    them once and forks the ranks (``fork_start``), for a single job or each task of an array.
+    ``own_code``: each task's process runs only Switchyard's code and the user's model, not a
+    user's Python function: it starts through ``job_entry`` (no teardown at its end)."""
+    from orchestrator.launch import fork_start, job_entry
     if mode != "local" or not rank_modules:
         fork_start.release_template()  # no controller of this process's will be forked from it
     if mode == "local":
         if rank_modules:
             local: submitit.LocalExecutor = fork_start.ForkingLocalExecutor(folder, rank_modules)
         else:
-            local = submitit.LocalExecutor(folder=folder)
+            local = (job_entry.LocalExecutor if own_code else submitit.LocalExecutor)(folder=folder)
         local.update_parameters(**params)
         return local
     params = dict(params)  # "python": the command that runs the ranks' Python (a container's)
@@ -155,8 +160,8 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
         slurm: submitit.SlurmExecutor = fork_start.ForkingSlurmExecutor(folder, rank_modules, max_requeues,
                                                              python=params.pop("python", None))
     else:
-        slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues,
-                                       python=params.pop("python", None))
+        kind = job_entry.SlurmExecutor if own_code else submitit.SlurmExecutor
+        slurm = kind(folder=folder, max_num_timeout=max_requeues, python=params.pop("python", None))
     limit = {} if array_parallelism is None else {"array_parallelism": array_parallelism}
     slurm.update_parameters(**params, **limit)
     return slurm

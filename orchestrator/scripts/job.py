@@ -127,7 +127,7 @@ def check_sweep_point(task_cfg: DictConfig) -> AppGroups:
     ranks start as processes: each execs the user's command."""
     typed = load_config(task_cfg)
     check_before_submit(typed)
-    return AppGroups(typed.cluster, typed.parallelism)
+    return AppGroups(typed.cluster, typed.parallelism, own_code=True)
 
 
 register_app_check(RunConfig, check_sweep_point)
@@ -165,7 +165,8 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml, scripts_of(cfg))
     mounted: list[tuple[str, str | Path | None]] = [
         ("cwd", spec.cwd), *(("the command's script", p) for p in scripts_of(cfg))]
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code, mounted)
+    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code, mounted,
+                                    own_code=True)  # each rank's command is a process of its own
     if cfg.cluster.dry_run:
         print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
         return None

@@ -109,6 +109,9 @@ class Resources:
     # starts as its own process (an app without them, cluster.rank_start=spawn). Recorded by older
     # versions without it.
     rank_modules: list[str] = field(default_factory=list)
+    # The point's process runs only Switchyard's code (AppGroups.own_code): it ends without the
+    # interpreter's teardown (launch/job_entry.py). Recorded by older versions without it.
+    own_code: bool = False
 
     def key(self) -> str:
         return group_key(asdict(self))
@@ -127,7 +130,8 @@ def resources_for(settings: LauncherSettings, groups: AppGroups | None) -> Resou
     forked = [*groups.rank_modules, run_point.__module__] if groups and groups.rank_modules \
         and cluster.forks_ranks and cluster.mode == settings.executor else []
     return Resources(settings.executor, params, cluster.max_requeues, settings.array_parallelism,
-                     "cluster" if groups else "hydra.launcher", cluster.max_excluded_nodes, forked)
+                     "cluster" if groups else "hydra.launcher", cluster.max_excluded_nodes, forked,
+                     own_code=groups is not None and groups.own_code)
 
 
 def _launcher_groups(settings: LauncherSettings) -> tuple[ClusterConfig, ParallelismConfig]:
@@ -286,7 +290,7 @@ def make_executor(resources: Resources, folder: Path) -> submitit.Executor:
 
     return new_executor(resources.executor, resources.params, folder, resources.max_requeues,
                         resources.array_parallelism if resources.executor == "slurm" else None,
-                        rank_modules=resources.rank_modules)
+                        rank_modules=resources.rank_modules, own_code=resources.own_code)
 
 
 def submit_array(registry: Registry, sweep_id: int, resources: Resources, run_dirs: dict[int, str],

@@ -60,7 +60,7 @@ def test_a_two_node_job_runs_in_the_container_and_sees_only_its_mounts(
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     binds = srun.split(" --bind ", 1)[1].split(" ", 1)[0].split(",")
     assert f"{work}:{work}" in binds and not any(str(hidden) in b for b in binds), srun  # run_dir is inside
-    assert f" --pwd {work} {image} python -u -m submitit.core._submit " in srun
+    assert f" --pwd {work} {image} python -u -m orchestrator.launch.job_entry " in srun  # Switchyard's entry
     logs = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.out")))
     probes = sorted(re.findall(r"probe rank (\d) on (n\d): (.*)", logs))
     # Both ranks ran inside; neither saw the file the host has beside the mounted directory, nor

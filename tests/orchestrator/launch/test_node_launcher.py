@@ -49,8 +49,8 @@ def test_the_sbatch_script_starts_one_launcher_per_node_with_every_ranks_cpus(tm
                                     f"orchestrator.training.rank_process,torch._dynamo")
     spawn = ClusterConfig(mode="slurm", rank_start="spawn")
     started = submit.sbatch_script(submit.make_executor(spawn, ParallelismConfig(nodes=2), folder,
-                                                        rank_modules=modules))
-    assert "node_launcher" not in started and "-m submitit.core._submit" in started
+                                                        rank_modules=modules, own_code=True))
+    assert "node_launcher" not in started and f"-m orchestrator.launch.job_entry {folder}" in started
 
 
 def fork_exiting(code: int, delay_s: float = 0.0) -> int:
