@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -39,15 +40,18 @@ def exit_now(code: int = 0) -> NoReturn:
 
 def exit_as_interpreter(work: Callable[[], object], join_threads: bool = False) -> NoReturn:
     """Run ``work``, then leave as an interpreter running it would: the status ``sys.exit`` gives,
-    or the traceback and 1; ``atexit``'s functions (torch's, logging's), the output flushed;
-    ``join_threads``: non-daemon threads joined first, as the interpreter joins them. Never
-    returns."""
-    code = 1
+    or the traceback and 1 (after a ``KeyboardInterrupt``: killed by SIGINT, 130 in a shell);
+    ``atexit``'s functions (torch's, logging's), the output flushed; ``join_threads``: non-daemon
+    threads joined first, as the interpreter joins them. Never returns."""
+    code, interrupted = 1, False
     try:
         work()
         code = 0
     except SystemExit as e:
         code = exit_code(e)
+    except KeyboardInterrupt:  # as the interpreter would: the traceback, then death by SIGINT (130)
+        traceback.print_exc()
+        code, interrupted = 128 + signal.SIGINT, True
     except BaseException:  # as the interpreter would: the traceback, exit 1
         traceback.print_exc()
     finally:
@@ -57,6 +61,9 @@ def exit_as_interpreter(work: Callable[[], object], join_threads: bool = False) 
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            if interrupted:  # a shell (and a parent's waitpid) sees a process killed by Ctrl-C
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
         finally:
             os._exit(code)
 

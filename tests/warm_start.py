@@ -359,7 +359,7 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
     import random
     import runpy
 
-    from orchestrator.launch.fork_start import exit_as_interpreter
+    from orchestrator.quick_exit import exit_as_interpreter
 
     def run() -> None:
         os.dup2(fds[0], 1)
