@@ -11,12 +11,19 @@ from pathlib import Path
 def release_requeue_hold(job_id: str, timeout_s: float = 120) -> None:
     """SLURM keeps a requeued job ineligible for ~2 minutes (BeginTime: its own policy, right on a
     shared cluster); seeing that hold proves the requeue happened, and releasing it keeps the test
-    short."""
+    short.
+
+    Not at once: slurmd revoked the first life's credential when it killed it, and refuses any
+    credential of that job made in the same wall-clock second or before ("Killing non-startable
+    batch JobId=N: Job credential revoked", and the job ends FAILED). The revocation came before
+    squeue said PENDING, so a release in the next second starts a life slurmd accepts. (Released
+    at once, this failed one run in three on a loaded 2-core machine.)"""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
                              text=True).stdout.split()
         if out[:2] == ["PENDING", "BeginTime"]:
+            time.sleep(1.2 - time.time() % 1)  # into the next wall-clock second, with a margin
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
             return
         time.sleep(0.2)

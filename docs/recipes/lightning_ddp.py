@@ -136,7 +136,11 @@ def main() -> None:
         print(f"world {trainer.world_size} via {type(environment).__name__}: "
               f"done after epoch {trainer.current_epoch - 1}, restart {preemption.restart_count()}")
     if torch.distributed.is_initialized():  # Lightning leaves its process group up: a gloo group
-        torch.distributed.destroy_process_group()  # torn down at exit can abort the process
+        # torn down at exit can abort the process, and so can one destroyed while a peer is still
+        # in its last collective (seen on a loaded node: "terminate called without an active
+        # exception" after fit); the barrier lets every rank finish before any closes its sockets
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from lightning_helpers import EVAL_SAMPLES, eval_counts, recipe_command, seen, uninterrupted, write_data
-from slurm_helpers import logs, release_requeue_hold, wait_for
+from slurm_helpers import job_story, logs, release_requeue_hold, wait_for
 
 from orchestrator.launch import slurm_query
 
@@ -50,7 +50,7 @@ def test_lightning_2x2_requeued_on_usr2_sees_the_uninterrupted_runs_samples(
     release_requeue_hold(job_id)
     states = slurm_query.wait_for_terminal_states([job_id], timeout_s=300)
     text = logs(tmp_path / "slurm")
-    assert states[job_id] == "COMPLETED", text[-3000:]
+    assert states[job_id] == "COMPLETED", job_story(job_id, tmp_path / "slurm")
     assert f"switchyard: requeueing job {job_id}: the command asked to be requeued" in text
     assert "world 4 via SLURMEnvironment: done after epoch 2, restart 1" in text
     # what the same world (4 ranks) trains on uninterrupted, from the data module's sampler

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import sweep_probe
+from slurm_helpers import release_requeue_hold
 from train_helpers import run_train
 
 from orchestrator.launch import slurm_query
@@ -209,7 +210,7 @@ def test_a_requeued_job_goes_back_to_the_queue_and_counts_its_requeue(tmp_path: 
     subprocess.run(["scontrol", "requeue", slurm_id], check=True)
     # The first life may finish its sleep after the requeue: it must not be recorded as the end.
     state_within(("PENDING",), 60)
-    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)  # no 2-min wait
+    release_requeue_hold(slurm_id)  # no 2-min wait
     row = poll_until_ended(tmp_path, sweep)[job]
     assert (row[1], row[3]) == ("COMPLETED", "1"), row  # REQUEUES: 1
     assert len(ran(tmp_path, 1)) == 2
