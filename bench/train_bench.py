@@ -20,9 +20,9 @@ shared with everything else; best-of filters the noise).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
+import queue
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +35,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobs.demo_data import ensure_demo_dataset
-from jobs.models import RowPoolingMLP, RowTransformer
 from orchestrator.config import (
     DataConfig,
     MlpConfig,
@@ -47,6 +46,7 @@ from orchestrator.config import (
 from orchestrator.launch import rendezvous
 from orchestrator.launch.dist_env import DistEnv
 from orchestrator.training import runtime, trainer
+from orchestrator.training.step import build_model
 from sharding import collate_padded, open_dataset
 
 
@@ -75,10 +75,10 @@ def hand_written(cfg: TrainConfig, path: str, rank: int, world: int, window: int
     """Returns samples/s per window of steps (all ranks' samples)."""
     torch.manual_seed(0)
     ds = PerSample(path)
-    model_cls = RowPoolingMLP if isinstance(cfg.model, MlpConfig) else RowTransformer
-    kwargs = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "_target_"}
-    model = DistributedDataParallel(model_cls(in_features=cfg.data.demo_features,
-                                              num_classes=cfg.data.demo_classes, **kwargs).to(device),
+    # the trainer's own builder: the model.* keys that are the trainer's (model.compile) stay out
+    built = build_model(cfg.model, {"in_features": cfg.data.demo_features,
+                                    "num_classes": cfg.data.demo_classes}, cfg.memory)
+    model = DistributedDataParallel(built.to(device),
                                     device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
@@ -139,6 +139,23 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: Any
     dist.destroy_process_group()
 
 
+def wait_for_rates(out: Any, procs: list[Any], timeout_s: float = 1800) -> list[float]:
+    """Rank 0's rates; a rank that died first (its traceback is above) ends the bench at once
+    instead of leaving it to wait out the timeout, as it once did on a GPU node for 30 minutes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"train_bench: rank(s) {', '.join(f'{r} (exit {c})' for r, c in dead)} "
+                                 f"died before reporting; see the traceback above") from None
+    raise SystemExit(f"train_bench: no result within {timeout_s:.0f} s")
+
+
 def measure(args: argparse.Namespace, variant: str) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -148,7 +165,7 @@ def measure(args: argparse.Namespace, variant: str) -> float:
                  for r in range(args.world)]
         for p in procs:
             p.start()
-        rates = out.get(timeout=1800)
+        rates = wait_for_rates(out, procs)
         for p in procs:
             p.join()
     steady = rates[1:] or rates  # the first window holds start-up (first batches, bucket rebuild)
