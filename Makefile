@@ -61,13 +61,20 @@ pytest: venv
 	$(PY) -m compileall -q -j 0 $(BYTECODE_DIRS) > /dev/null
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The cluster comes up while the venv is built: `python3 -m orchestrator.localcluster` needs only
+# the standard library, and on a new machine `up` spends its first ~20 s in apt-get (SLURM's and
+# MariaDB's packages), as the venv does in pip and uv: one waited for the other. Its output is
+# printed once the venv is ready.
 # ruff, mypy and the docs build run beside the suite: mypy alone is 23 s of one core, which the
 # sequence lint -> typecheck -> docs -> cluster-up left the other core idle through before pytest
 # started. Their output comes after pytest's (they finish first; a failure is at the end of the log
 # either way), and any failure fails make test. Each also runs alone: make lint, make typecheck.
-test: venv
-	@$(MAKE) --no-print-directory -j 3 --output-sync=target lint typecheck docs > $(VENV)/checks.log 2>&1 & \
-	checks=$$!; $(MAKE) --no-print-directory cluster-up pytest; tests=$$?; \
+test:
+	@up_log=$$(mktemp); python3 -m orchestrator.localcluster up > $$up_log 2>&1 & up=$$!; \
+	$(MAKE) --no-print-directory venv; built=$$?; wait $$up; upped=$$?; cat $$up_log; rm -f $$up_log; \
+	if (( built || upped )); then exit 1; fi; \
+	$(MAKE) --no-print-directory -j 3 --output-sync=target lint typecheck docs > $(VENV)/checks.log 2>&1 & \
+	checks=$$!; $(MAKE) --no-print-directory pytest; tests=$$?; \
 	wait $$checks; checked=$$?; echo "--- make lint typecheck docs:"; cat $(VENV)/checks.log; \
 	exit $$(( tests || checked ))
 

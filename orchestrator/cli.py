@@ -11,6 +11,7 @@ from typing import NoReturn
 from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
+from orchestrator.localcluster import command as cluster_command
 from orchestrator.quick_exit import exit_as_interpreter
 from orchestrator.terminal import one_line, printable
 
@@ -22,24 +23,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
         self.exit(2, f"{self.prog}: error: {one_line(message)} (usage: {usage})\n")
-
-
-def _cluster(args: argparse.Namespace) -> int:
-    if args.gpus < 0:
-        raise cluster.ClusterError(f"--gpus {args.gpus} is invalid: must be >= 0 (try --gpus 2)")
-    layout = cluster.Layout.from_env(args.state_dir, gpus_per_node=args.gpus)
-    if args.action == "up":
-        cluster.up(layout, install=not args.no_install, timeout_s=args.timeout_s)
-        print(cluster.status(layout)[1])
-        print("cluster is up: submit with sbatch, or run jobs with cluster=slurm")
-        return 0
-    if args.action == "status":
-        is_up, report = cluster.status(layout)
-        print(report)
-        return 0 if is_up else 3
-    stopped = cluster.down(layout)
-    print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
-    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -175,18 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("cluster", help="a real SLURM cluster on this machine (2 nodes, accounting)")
-    p.add_argument("action", choices=["up", "status", "down"])
-    p.add_argument("--state-dir", default=None,
-                   help=f"where config, logs, pid files and the database live "
-                        f"(default ${cluster.STATE_DIR_ENV} or {cluster.DEFAULT_STATE_DIR})")
-    p.add_argument("--no-install", action="store_true",
-                   help="fail instead of installing missing Debian packages")
-    p.add_argument("--timeout-s", type=float, default=120.0,
-                   help="how long up waits for the nodes to become idle")
-    p.add_argument("--gpus", type=int, default=cluster.DEFAULT_GPUS_PER_NODE, metavar="N",
-                   help="GPUs each node advertises as GRES (character devices, no hardware; 0: none; "
-                        f"default {cluster.DEFAULT_GPUS_PER_NODE})")
-    p.set_defaults(func=_cluster)
+    cluster_command.add_arguments(p)
+    p.set_defaults(func=cluster_command.run)
 
     p = sub.add_parser("verify", help="check a sharded dataset: structure and every file's checksum")
     p.add_argument("path", type=checked(functools.partial(existing_dir, what="a dataset directory")),

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.localcluster import cluster
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def layout(tmp_path: Path, **kw: int) -> cluster.Layout:
@@ -106,3 +110,19 @@ def test_changing_the_gpu_count_rewrites_the_node_definition(tmp_path: Path,
     assert cluster.write_configs(layout(tmp_path, gpus_per_node=4)) is True
     assert cluster.write_configs(layout(tmp_path, gpus_per_node=0)) is True
     assert not (tmp_path / "etc" / "gres.conf").exists()
+
+
+def test_the_cluster_command_runs_on_the_standard_library_alone(tmp_path: Path) -> None:
+    """`make test` brings the cluster up with `python3 -m orchestrator.localcluster` while the venv
+    is still being built: with `-S` (no site-packages) any third-party import on its path fails."""
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-S", "-m", "orchestrator.localcluster", *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+    status = run("status", "--state-dir", str(tmp_path))
+    assert status.returncode == 3, status.stderr  # not up: no daemon of this state directory runs
+    assert f"state directory: {tmp_path}" in status.stdout and "slurmctld    stopped" in status.stdout
+    refused = run("up", "--gpus", "-1", "--state-dir", str(tmp_path))
+    assert (refused.returncode, refused.stderr) == (2, "python3 -m orchestrator.localcluster: error: "
+                                                       "--gpus -1 is invalid: must be >= 0 (try --gpus 2)\n")
+    assert not any(tmp_path.iterdir())  # refused before anything was written
