@@ -10,7 +10,8 @@ turns the way the command ended into the job's outcome:
   signal (SIGUSR2): rank 0 requeues the job (``scontrol requeue``) up to ``cluster.max_requeues``;
   a command still running ``signal_delay_s / 2`` after the signal is requeued anyway, so a script
   that ignores it still comes back before the time limit;
-- after SIGTERM (preemption, ``scancel``, ``switchyard cancel``): nothing more, SLURM decides;
+- after SIGTERM (preemption, ``scancel``, ``switchyard cancel``), whatever the exit status (a
+  script that saves and exits 0 on SIGTERM has not finished its work): nothing more, SLURM decides;
 - anything else: :class:`CommandFailed`, naming the rank, its node, the exit status or signal (the
   OOM killer too, when the rank's memory cgroup counted a kill) and the last lines of its output.
   srun's ``--kill-on-bad-exit`` (or Switchyard locally) then stops the other ranks, and the
@@ -164,7 +165,8 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
             ended_at = time.time()
     finally:
         _stop_child(child)
-        mark_done(rdzv, env, code, ended_at, stopped=stop.signum is not None and code != 0)
+        mark_done(rdzv, env, code, ended_at,
+                  stopped=stop.preempted or (stop.signum is not None and code != 0))
     oom = (oom_kills() or 0) > ooms if code == -signal.SIGKILL and ooms is not None else None
     result = RankResult(env.rank, env.hostname, code, time.monotonic() - started, oom)
     return conclude(result, spec, run, env, stop, status, store)
@@ -227,8 +229,9 @@ def conclude(result: RankResult, spec: CommandSpec, run: Path, env: dist_env.Dis
     code = result.exit_code
     if code == REQUEUE_EXIT_CODE or (stop.time_limit and code != 0):
         _requeue_or_fail(result, spec, env, run)
-    if stop.preempted and code != 0:
-        print(f"switchyard: rank {env.rank} stopped by SIGTERM (preemption or cancel)", flush=True)
+    if stop.preempted:  # exit 0 too: a command that saves and exits 0 on SIGTERM was stopped, not done
+        how = "" if code != 0 else " (its command exited 0 after it)"
+        print(f"switchyard: rank {env.rank} stopped by SIGTERM (preemption or cancel){how}", flush=True)
         raise rank_env.AttemptNotOver(-1)  # no result: the attempt is not over, SLURM decides what comes next
     if code != 0:
         error = describe_failure(result, spec, first_failure(run / "rendezvous", env))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -160,9 +161,11 @@ def test_cancel_stops_every_ranks_command_in_local_mode(tmp_path: Path) -> None:
                                       "signal.signal(signal.SIGTERM, stop)\n"
                                       "time.sleep(600)\n")
     env = {**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}
-    submitter = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run",
-                                  f"hydra.run.dir={tmp_path / 'run'}", "--", sys.executable, "wait.py"],
-                                 cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out, err = tmp_path / "submitter.out", tmp_path / "submitter.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        submitter = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run",
+                                      f"hydra.run.dir={tmp_path / 'run'}", "--", sys.executable, "wait.py"],
+                                     cwd=tmp_path, env=env, stdout=stdout, stderr=stderr)
 
     def commands() -> list[psutil.Process]:  # the ranks' `python wait.py`, not the submitter
         return [p for p in psutil.process_iter(["cmdline", "cwd"])
@@ -182,6 +185,13 @@ def test_cancel_stops_every_ranks_command_in_local_mode(tmp_path: Path) -> None:
         status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1", "--json"], env=env,
                                 capture_output=True, text=True, check=True)
         assert json.loads(status.stdout)["jobs"][0]["state"] == "CANCELLED"
+        # The commands exited 0 on SIGTERM, but stopped is not done: the waiting submitter says what
+        # the registry says (it printed "done: 2 rank(s) ... exited 0" and exited 0 before)
+        assert submitter.wait(timeout=60) == 143, out.read_text() + err.read_text()
+        assert "done:" not in out.read_text()
+        assert re.search(r"^stopped: job \S+ was stopped \(CANCELLED\): switchyard: rank \d stopped by "
+                         r"SIGTERM \(preemption or cancel\) \(its command exited 0 after it\)$",
+                         err.read_text(), re.MULTILINE), err.read_text()
     finally:
         submitter.kill()
         submitter.wait()
