@@ -93,7 +93,13 @@ class PartitionLimits:
 
 def check(params: Mapping[str, Any], keys: Mapping[str, str] = CONFIG_KEYS) -> None:
     """Refuse (``SlurmRequestError``) a submitit SLURM request that sbatch --test-only refuses,
-    naming the config keys that exceed the partition's limits and values that fit."""
+    naming the config keys that exceed the partition's limits and values that fit; first, one no
+    controller would receive (``controller_down``)."""
+    down = controller_down()
+    if down is not None:
+        raise SlurmRequestError(f"no SLURM controller answers, so nothing was queued: scontrol ping said: "
+                                f"{down} (this machine's local cluster: switchyard cluster up; elsewhere "
+                                f"check that slurmctld runs and that SLURM_CONF names it)")
     refusal = test_only(params)
     if refusal is None:
         return
@@ -113,6 +119,22 @@ def check(params: Mapping[str, Any], keys: Mapping[str, str] = CONFIG_KEYS) -> N
     listed = "; ".join(reasons) if reasons else "no partition limit explains it"
     raise SlurmRequestError(f"SLURM would never start this job, so nothing was queued: {listed}. "
                             f"sbatch --test-only said: {refusal}")
+
+
+def controller_down() -> str | None:
+    """What ``scontrol ping`` says when no controller answers (the primary and every backup
+    DOWN), else None. A tenth of a second either way, where sbatch --test-only retried for about
+    a minute and sinfo and scontrol show for 30 s each before the refusal named no reason but
+    "Unable to contact slurm controller". No scontrol: None (sbatch's own check says what is
+    missing)."""
+    try:
+        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    said = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("Slurmctld")]
+    if proc.returncode == 0 or any(line.endswith(" is UP") for line in said):
+        return None
+    return "; ".join(said) or proc.stderr.strip() or f"exit code {proc.returncode}"
 
 
 def test_only(params: Mapping[str, Any]) -> str | None:

@@ -60,11 +60,11 @@ def check_before_submit(cfg: TrainConfig, paths: DataPaths, run_dir: Path | None
         check_worker_memory(paths, cfg)
     run_log.check_available(cfg.logger)
     estimate.check_bf16(cfg)
-    check_model(cfg, task, train)
-    memory = estimate.check_memory(cfg, task, train, example_batch(task, train))
-    if cfg.cluster.mode == "slurm":
+    if cfg.cluster.mode == "slurm":  # milliseconds, before the seconds of the model's and memory's
         slurm_request.check(submit.slurm_parameters(cfg.cluster, cfg.parallelism),
                             slurm_request.config_keys(cfg.parallelism))
+    check_model(cfg, task, train)
+    memory = estimate.check_memory(cfg, task, train, example_batch(task, train))
     if cfg.cluster.mode != "slurm" and cfg.parallelism.gpus_per_node > torch.cuda.device_count():
         raise ConfigError(f"parallelism.gpus_per_node={cfg.parallelism.gpus_per_node} is invalid: this "
                           f"machine has {torch.cuda.device_count()} GPUs (try parallelism.gpus_per_node="

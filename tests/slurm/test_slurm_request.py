@@ -4,12 +4,15 @@ value that fits; one that slipped through is reported while pending, and cancell
 from __future__ import annotations
 
 import dataclasses
+import re
+import socket
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 import submitit
+from train_helpers import refusal as train_refusal
 from train_helpers import run_train
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
@@ -59,6 +62,37 @@ def test_a_request_that_can_never_start_is_refused_naming_the_key(
     for name in names:
         assert name in message, message
     assert "sbatch --test-only said:" in message
+
+
+def unreachable_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLURM_CONF naming a controller on a port nothing listens on: the real clients, refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort={port}\n"
+                    f"AuthType=auth/munge\nNodeName=x1 CPUs=1 State=UNKNOWN\n"
+                    f"PartitionName=debug Nodes=x1 Default=YES State=UP\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+
+
+DOWN = re.compile(r"^no SLURM controller answers, so nothing was queued: scontrol ping said: "
+                  r"Slurmctld\(primary\) at \S+ is DOWN \(this machine's local cluster: switchyard "
+                  r"cluster up; elsewhere check that slurmctld runs and that SLURM_CONF names it\)$")
+
+
+def test_a_controller_that_does_not_answer_is_named_at_once(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: sbatch --test-only retried for a minute, scontrol show partition for 30 s more, and
+    the refusal said "SLURM would never start this job ... no partition limit explains it"."""
+    unreachable_controller(tmp_path, monkeypatch)
+    with pytest.raises(slurm_request.SlurmRequestError) as caught:
+        slurm_request.check(submit.slurm_parameters(ClusterConfig(mode="slurm"), ParallelismConfig()))
+    assert DOWN.match(str(caught.value)), str(caught.value)
+    # jobs.train says so before its model check and memory estimate (a GPU job's asks sinfo, 30 s)
+    said = train_refusal("cluster=slurm", "parallelism=gpu", "parallelism.gpus_per_node=1",
+                         f"data.cache_dir={tmp_path / 'cache'}")
+    assert DOWN.match(said.removeprefix("error: ")), said
 
 
 def test_a_request_that_fits_passes() -> None:

@@ -222,7 +222,8 @@ BIG_TRANSFORMER = ["model=transformer", "model.d_model=1024", "model.num_layers=
                    "model.num_heads=16", "data.batch_size=64", "data.demo_max_rows=512",
                    "data.demo_num_samples=2048", "parallelism=gpu", "parallelism.gpus_per_node=1"]
 # max_memory_allocated on one H100 80GB under ddp world 1, bench/gpu_check.py on 2026-11-26
-# (driver 580.159, torch 2.11; docs/performance.md)
+# (driver 580.159, torch 2.11; docs/performance.md); the same six to 0.01 GiB on an H200 on
+# 2026-11-28, where the check's estimates were 1.02-1.11x of them (docs/gpus.md)
 H100_PEAKS_GIB = {
     "no option": ([], 15.75),
     "bf16": (["memory.amp=bf16"], 9.36),
