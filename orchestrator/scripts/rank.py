@@ -104,14 +104,20 @@ class RankEnd:
 
 
 class StopRequest:
-    """SIGUSR2 (time limit) and SIGTERM (preemption) as they reach this process: recorded, and
-    passed on to the command where nothing else delivers them (``forward``)."""
+    """SIGUSR2 (time limit) and SIGTERM (preemption) as they reach this process: recorded until the
+    command has ended (``command_ended``: a signal after it, while rank 0 waits for the others,
+    does not make a finished command a stopped one), and passed on to the command where nothing
+    else delivers them (``forward``)."""
 
     def __init__(self, forward: bool) -> None:
         self.forward = forward
         self.signum: int | None = None
         self.at = 0.0
         self.child: subprocess.Popen[bytes] | None = None
+        self.ended = False
+
+    def command_ended(self) -> None:
+        self.ended = True
 
     def install(self) -> StopRequest:
         for signum in (signal.SIGUSR2, signal.SIGTERM):
@@ -119,7 +125,7 @@ class StopRequest:
         return self
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum != signal.SIGTERM:  # preemption outranks the time limit
+        if not self.ended and self.signum != signal.SIGTERM:  # preemption outranks the time limit
             self.signum, self.at = signum, time.monotonic()
         if self.forward and self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
@@ -162,6 +168,7 @@ def _run_rank(spec: CommandSpec, run: Path, env: dist_env.DistEnv, stop: StopReq
     try:
         with sampler or contextlib.nullcontext():
             code = wait(child, stop, env, spec)
+            stop.command_ended()
             ended_at = time.time()
     finally:
         _stop_child(child)

@@ -3,10 +3,18 @@ kill in the rank's memory cgroup (files as cgroup v1 and v2 write them)."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
-from orchestrator.scripts.rank import RankEnd, exit_status, first_failed, how_it_ended, oom_kills
+from orchestrator.scripts.rank import (
+    RankEnd,
+    StopRequest,
+    exit_status,
+    first_failed,
+    how_it_ended,
+    oom_kills,
+)
 
 
 def test_the_oom_kill_count_is_read_from_a_v2_or_a_v1_memory_cgroup(tmp_path: Path) -> None:
@@ -39,3 +47,21 @@ def test_the_jobs_end_is_the_first_rank_that_failed_of_its_own() -> None:
     failed = first_failed(ends)
     assert failed is not None and failed.rank == 1
     assert first_failed({0: ends[0], 3: ends[3]}) is None  # stopped on request: not a failure
+
+
+def test_a_signal_after_the_command_ended_does_not_make_it_stopped() -> None:
+    """SIGTERM while rank 0 waits for the other ranks' ends, its own command having exited 0: the
+    command finished, it was not stopped (a cancel at the very end must not relabel a done rank)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        before = StopRequest(forward=False).install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert before.preempted  # while the command runs, SIGTERM is preemption or a cancel
+        after = StopRequest(forward=False).install()
+        after.command_ended()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert not after.preempted and not after.time_limit
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
