@@ -5,7 +5,8 @@
   runs the app, refusing control characters and overrides Hydra cannot parse before Hydra echoes
   them, and turning what Hydra raises before the task starts (a key no config has, a group option
   that does not exist, a run directory it cannot create) into one line. Hydra itself prints these
-  as several lines and a hint about ``HYDRA_FULL_ERROR``, with exit 1.
+  as several lines and a hint about ``HYDRA_FULL_ERROR``, with exit 1. It also spares Hydra's
+  mode probe where only Switchyard's own configs can take part (``mode_probe_needed``).
 - Paths given as command-line arguments (``switchyard verify``, ``plot``, ``--registry``,
   ``--store``): ``existing_dir``, ``existing_file`` and ``new_file`` check them before anything is
   read or created, naming the argument, the path and the reason (a name too long, a component that
@@ -21,7 +22,7 @@ import io
 import os
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -30,6 +31,11 @@ from orchestrator.terminal import one_line, refuse_control
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _owned: list[bool] = [False]  # hydra_app set HYDRA_FULL_ERROR, and task_started has not unset it
 KEY_MAX = 255  # longer than any file name: no config key or group is named so
+# Where Switchyard's apps find their configs, as Hydra's search path lists them (provider, path):
+# Hydra's own, Switchyard's conf package, and the structured configs both register.
+OWN_SEARCH_PATH = frozenset({("hydra", "pkg://hydra.conf"), ("main", "pkg://conf"),
+                             ("schema", "structured://")})
+MODE_KEYS = ("hydra.mode", "hydra.searchpath")  # overrides that set the mode, or add configs that may
 _Task = TypeVar("_Task", bound=Callable[..., Any])
 
 
@@ -100,6 +106,11 @@ def hydra_app(main: Callable[[], Any], argv: Sequence[str], prefix: str = "") ->
     gets Hydra's full report, as asked."""
     if refused := refuse_argv(argv):
         _exit(prefix, refused)
+    with _mode_from_the_command_line():
+        _run_reporting(main, prefix)
+
+
+def _run_reporting(main: Callable[[], Any], prefix: str) -> None:
     if os.environ.get(_FULL_ERROR):
         main()
         return
@@ -117,6 +128,40 @@ def hydra_app(main: Callable[[], Any], argv: Sequence[str], prefix: str = "") ->
         _exit(prefix, describe(e))
     finally:
         task_started()
+
+
+def mode_probe_needed(search_path: Iterable[tuple[str, str]], overrides: Sequence[str]) -> bool:
+    """Whether Hydra must compose the config to learn its mode (``hydra.mode``: a config may make a
+    sweep its default). Not when only Switchyard's configs take part (``OWN_SEARCH_PATH``: no
+    ``--config-dir``, no other search path plugin) and no override names the mode or adds to the
+    search path: none of Switchyard's configs sets either (``tests/test_hydra_mode.py``), so the mode
+    is the command line's, ``-m`` or not."""
+    if not set(search_path) <= OWN_SEARCH_PATH:
+        return True
+    return any(o.lstrip("+~").partition("=")[0].strip().startswith(MODE_KEYS) for o in overrides)
+
+
+@contextlib.contextmanager
+def _mode_from_the_command_line() -> Iterator[None]:
+    """Hydra's ``get_mode`` composes the whole config, then ``run`` composes it again: the probe
+    was 0.13 s of a submitting ``jobs.train``'s 0.45 s of CPU after its imports (and each rank under
+    the user's own srun paid it too). Where ``mode_probe_needed`` says no, it answers as the probe
+    would have on these configs: None, "the command line decides"."""
+    from hydra._internal.hydra import Hydra
+
+    probe = Hydra.get_mode
+
+    def get_mode(self: Hydra, config_name: str | None, overrides: list[str]) -> Any:
+        search_path = [(e.provider, e.path) for e in self.config_loader.get_search_path().get_path()]
+        if mode_probe_needed(search_path, overrides):
+            return probe(self, config_name, overrides)
+        return None
+
+    Hydra.get_mode = get_mode  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Hydra.get_mode = probe  # type: ignore[method-assign]
 
 
 def task_started() -> None:
