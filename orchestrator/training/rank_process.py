@@ -26,7 +26,8 @@ from orchestrator.training.trainer import DataPaths, Trainer
 
 # What every rank imports before its first step: this module and the trainer, and the
 # ``torch._dynamo`` DDP's constructor imports; fsdp's stack where the run shards.
-RANK_MODULES = (__name__, "torch._dynamo")
+# numpy.ma: numpy imports it at the first np.unique (the sampler's partition), about 30 ms a rank
+RANK_MODULES = (__name__, "torch._dynamo", "numpy.ma")
 FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
 ALL_RANK_MODULES = (*RANK_MODULES, *FSDP_MODULES)
 
