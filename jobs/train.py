@@ -156,7 +156,8 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     run_lock.check_free(run_dir)
     run_lock.check_free(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")
     paths, memory = check_before_submit(cfg, run_dir)
-    code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, OmegaConf.to_yaml(cfg))
+    config_yaml = OmegaConf.to_yaml(cfg)  # the snapshot's and the registry's record of it
+    code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, config_yaml)
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code,
                                     container_paths(cfg, paths, run_dir), rank_process.rank_modules(cfg),
                                     own_code=True)
@@ -171,7 +172,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     job = submit.submit(executor, train_job, cfg, paths, str(run_dir))
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
-                                       OmegaConf.to_yaml(cfg))
+                                       config_yaml)
     results = single.follow(cfg.cluster, recorded, job, run_dir)
     return None if results is None else report(results[0], run_dir)
 
