@@ -47,11 +47,12 @@ typecheck: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Three pytest-xdist workers on two cores: a SLURM test spends much of its time waiting for the
-# scheduler, and the others fill that. Each module is a group (its fixtures run once); the SLURM
-# modules go first, on every worker at once (tests/conftest.py, docs/development.md).
-# --durations: the 25 slowest, where the suite's time goes.
-PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
+# Four pytest-xdist workers on two cores: a SLURM test spends much of its time waiting for the
+# scheduler, and the others fill that (with three, the cores still idled 110 s of a run, when
+# every worker waited on SLURM at once; with four, 39 s). Each module is a group (its fixtures run
+# once); the SLURM modules go first, on every worker at once (tests/conftest.py,
+# docs/development.md). --durations: the 25 slowest, where the suite's time goes.
+PYTEST_ARGS ?= -n 4 --dist loadgroup --durations=25
 
 # The project's bytecode, compiled once before the suite: where PYTHONDONTWRITEBYTECODE is set (it is
 # on this project's CI machines) no process writes it, so each of the ~700 processes the suite starts

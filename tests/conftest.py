@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-# One OpenMP thread per process the suite starts, as if each of the three pytest-xdist workers had a
-# core of its own (they share two). A lone rank's own budget (runtime.thread_budget, the cpuset's
+# One OpenMP thread per process the suite starts, as if each of the pytest-xdist workers had a
+# core of its own (four share two). A lone rank's own budget (runtime.thread_budget, the cpuset's
 # share) is two threads here, and GNU OpenMP's threads spin between torch's ops against the other
 # workers' processes: the training test files took 14-17 % more CPU without this. Set before torch
 # is imported anywhere; the workers' jobs, SLURM's included (sbatch exports it), inherit it, and a
