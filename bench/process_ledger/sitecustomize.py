@@ -1,11 +1,13 @@
 """Every Python process's own CPU seconds, one JSON line each, for finding where a run's CPU goes.
 
-With this folder on ``PYTHONPATH`` and ``PROC_LEDGER=FILE`` set, each interpreter (and each child
-it forks: forked ranks, node launchers' ranks) appends ``{"pid", "forked", "argv", "test", "cpu",
-"wall"}`` to FILE when it ends, by ``atexit`` or by ``os._exit`` (Switchyard's commands leave by
-``os._exit``; forked ranks too). ``test`` is ``PYTEST_CURRENT_TEST`` as the process inherited it,
-so a suite's processes are told by the test that started them; SLURM jobs inherit it through
-``sbatch``'s environment. ``bench/process_ledger.py FILE`` sums the lines by kind of process.
+With this folder on ``PYTHONPATH`` (or this file run by a ``.pth`` line in a venv's
+site-packages, which reaches every process the venv's python starts) and ``PROC_LEDGER=FILE``
+set, each interpreter (and each child it forks: forked ranks, node launchers' ranks) appends
+``{"pid", "forked", "argv", "test", "cpu", "wall"}`` to FILE when it ends, by ``atexit`` or by
+``os._exit`` (Switchyard's commands leave by ``os._exit``; forked ranks too). ``test`` is
+``PYTEST_CURRENT_TEST`` as the process inherited it, so a suite's processes are told by the test
+that started them; SLURM jobs inherit it through ``sbatch``'s environment.
+``bench/process_ledger.py FILE`` sums the lines by kind of process.
 
 Unlike ``tests/conftest.py``'s ``SWITCHYARD_TEST_CPU``, which sums a test's waited-for children,
 this sees every process: a SLURM job's ranks under ``slurmd``, and which of a test's processes
@@ -21,8 +23,12 @@ import sys
 import time
 
 _LEDGER = os.environ.get("PROC_LEDGER")
+# Once per process: a venv's site-packages is often reached twice (lib64 is a link to lib), and
+# site.py then runs a .pth file in it twice, which would register a second writer.
+_ONCE = "_switchyard_process_ledger"
 
-if _LEDGER:
+if _LEDGER and not getattr(sys, _ONCE, False):
+    setattr(sys, _ONCE, True)
     _first_pid = os.getpid()
     _started = [time.time()]
     _written = [False]
