@@ -149,10 +149,16 @@ def _mode_from_the_command_line() -> Iterator[None]:
     would have on these configs: None, "the command line decides"."""
     from hydra._internal.hydra import Hydra
 
-    probe = Hydra.get_mode
+    probe = getattr(Hydra, "get_mode", None)  # Hydra's own, not a public API: checked, not assumed
+    if probe is None:
+        yield
+        return
 
     def get_mode(self: Hydra, config_name: str | None, overrides: list[str]) -> Any:
-        search_path = [(e.provider, e.path) for e in self.config_loader.get_search_path().get_path()]
+        try:
+            search_path = [(e.provider, e.path) for e in self.config_loader.get_search_path().get_path()]
+        except AttributeError:  # a Hydra that keeps its search path elsewhere: probe, as it would
+            return probe(self, config_name, overrides)
         if mode_probe_needed(search_path, overrides):
             return probe(self, config_name, overrides)
         return None

@@ -101,3 +101,14 @@ def test_a_config_of_the_users_that_makes_sweeps_the_default_is_still_probed(
 
 def test_the_mode_given_as_an_override_is_probed(launched: Any) -> None:
     assert launched("hydra.mode=MULTIRUN") == ([["hydra.mode=MULTIRUN"]], [RunMode.MULTIRUN])
+
+
+def test_a_hydra_whose_search_path_cannot_be_read_is_probed(
+        launched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe is Hydra's own (``hydra._internal``): where its loader no longer answers as 1.3's
+    does, the probe runs as Hydra would run it, and the command is unchanged."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    monkeypatch.delattr(ConfigLoaderImpl, "get_search_path")
+    probed, ran = launched("optim.max_steps=3")
+    assert len(probed) == 1 and ran == [None]
