@@ -12,10 +12,10 @@ $(PY):
 
 # Everything with uv, torch included, which resolves, unpacks and compiles in parallel. pip's
 # configuration names where this machine keeps its CPU wheel of torch (find-links); uv reads no
-# pip configuration, so it is handed the same folders. A new venv takes about 35 s on the 2-core
-# machine, against 39 s when pip installed torch first (unpacking and compiling it on one core)
-# and 72 s with pip alone. The torch pin is uv's constraint too, so no package can pull a CUDA
-# build of torch. --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set nothing would write it
+# pip configuration, so it is handed the same folders. With uv's cache empty, as on a new CI
+# machine, a new venv takes 41 s on the 2-core machine, against 51 s when pip installed torch first
+# (unpacking and compiling it on one core) and 94 s with pip alone. The torch pin is uv's
+# constraint too, so no package can pull a CUDA build of torch. --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set nothing would write it
 # later, and every process would compile what it imports.
 FIND_LINKS = $(foreach dir,$(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(dir))
 $(VENV)/.installed: $(PY) setup.cfg pyproject.toml

@@ -50,7 +50,8 @@ def restore_thread_vars() -> None:
 
 
 def why_not_fork(preload: Sequence[str]) -> str | None:
-    """Import ``preload``; None if a fork from here is safe, else what makes it unsafe."""
+    """Import ``preload`` (and find submitit's job environments, which every rank asks first:
+    ``discover_job_environments``); None if a fork from here is safe, else what makes it unsafe."""
     try:
         if not preload:
             return "this job names no modules to import first"
