@@ -132,12 +132,19 @@ class Zygote:
         with open(self.log, "wb") as log:  # never the worker's stdout: pytest-xdist talks over it
             self.process = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=os.getcwd(),
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        # It would end by itself once this worker is gone (it watches its parent); reaped here, it
+        # is not the "ResourceWarning: subprocess N is still running" the worker's exit printed.
+        atexit.register(self.stop)
         deadline = time.monotonic() + 120
         while not os.path.exists(self.path):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the test zygote did not start (exit {self.process.poll()}): "
                                    f"{Path(self.log).read_text()[-2000:]}")
             time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
     def alive(self) -> bool:
         return self.process.poll() is None
