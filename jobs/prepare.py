@@ -25,6 +25,7 @@ anything is created at ``output``; a problem found mid-way publishes nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing
 import os
@@ -35,9 +36,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import hydra
 import numpy as np
@@ -76,6 +78,7 @@ register_configs()  # before @hydra.main composes `defaults: [prepare_schema, ..
 
 Sample = dict[str, np.ndarray]
 DEFAULT_BPE_VOCAB = 16384
+T = TypeVar("T")
 
 
 def _no_attributes() -> dict[str, Any]:
@@ -263,8 +266,7 @@ def open_npy_dir(path: Path, field: str, num_workers: int,
         if num_workers <= 1:
             arrays: Iterator[np.ndarray] = (_load_npy(f) for f in files)
         else:
-            pool = worker_pool(stack, num_workers)
-            arrays = pool.imap(_load_npy, files, chunksize=8)  # ordered
+            arrays = parallel_map(stack, _load_npy, files, num_workers)
         if labels is None:
             return ({field: a} for a in arrays)
         return ({field: a, LABEL_FIELD: y} for a, y in zip(arrays, labels.values, strict=True))
@@ -272,17 +274,42 @@ def open_npy_dir(path: Path, field: str, num_workers: int,
     return Source("npy_dir", path, len(files), open_samples, lambda k: f"file {files[k]}")
 
 
-def worker_pool(stack: contextlib.ExitStack, num_workers: int) -> Any:
-    """A pool of reading processes, terminated with ``stack``. fork: workers need nothing but
-    numpy, and start in milliseconds; it is started before the progress bar exists, so no tqdm
-    monitor thread is alive at fork time. The workers are born with SIGTERM and SIGINT at their
-    defaults: a fork inherits the caller's Python handlers (a training loop's stop flag, a
-    program's own), and a worker that only records SIGTERM, or is stuck in a system call, outlives
-    the pool's terminate(), whose join then waits forever after a file fails to read (seen once in
-    the test suite: 600 s, then pytest-timeout)."""
+def parallel_map(stack: contextlib.ExitStack, fn: Callable[[Any], T], items: Sequence[Any],
+                 num_workers: int, chunksize: int = 8) -> Iterator[T]:
+    """``fn`` over ``items`` in ``num_workers`` reading processes, the results in order, at most
+    two chunks per worker read ahead of the consumer (a slow writer holds no more in memory).
+
+    When ``stack`` closes (the end, or an error such as a file that fails to read) the chunks not
+    started are cancelled and the running ones finish: no reader is killed. ``multiprocessing.Pool``
+    ended by ``terminate()``, which SIGTERMs its workers; one killed while it held the result
+    queue's lock left the pool's task thread waiting on that lock forever, so ``jobs.prepare`` hung
+    without a word instead of naming the bad file (about one run in 80 under load, on a full
+    suite's run once). fork: the workers need nothing but numpy and start in milliseconds; they are
+    forked here, before the progress bar's monitor thread exists. They are born with SIGTERM and
+    SIGINT at their defaults: a fork inherits the caller's Python handlers (a training loop's stop
+    flag, a program's own), and a reader that only records SIGTERM would outlive a stop."""
     with _default_signals_while_forking():
-        return stack.enter_context(multiprocessing.get_context("fork").Pool(
-            num_workers, initializer=_default_signals))
+        executor = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_default_signals)
+        executor.submit(int).result()  # forks every worker now (the fork context starts them all)
+    stack.callback(executor.shutdown, wait=True, cancel_futures=True)
+    return _in_order(executor, fn, items, num_workers, chunksize)
+
+
+def _in_order(executor: ProcessPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any],
+              num_workers: int, chunksize: int) -> Iterator[T]:
+    chunks = (items[i:i + chunksize] for i in range(0, len(items), chunksize))
+    pending: collections.deque[Future[list[T]]] = collections.deque()
+    for chunk in chunks:
+        pending.append(executor.submit(_map_chunk, fn, chunk))
+        if len(pending) >= 2 * num_workers:
+            yield from pending.popleft().result()
+    while pending:
+        yield from pending.popleft().result()
+
+
+def _map_chunk(fn: Callable[[Any], T], chunk: Sequence[Any]) -> list[T]:
+    return [fn(item) for item in chunk]
 
 
 @contextlib.contextmanager
@@ -510,8 +537,7 @@ def open_image_folder(path: Path, num_workers: int) -> Source:
         if num_workers <= 1:
             images: Iterator[np.ndarray] = (load_image(f) for f in files)
         else:  # decoding is the cost: several processes, in order, as for .npy directories
-            pool = worker_pool(stack, num_workers)
-            images = pool.imap(load_image, files, chunksize=8)
+            images = parallel_map(stack, load_image, files, num_workers)
         return _image_samples(images, items)
 
     return Source("image_folder", path, len(items), open_samples, lambda k: f"file {files[k]}",
