@@ -15,8 +15,9 @@ $(PY):
 # pip configuration, so it is handed the same folders. With uv's cache empty, as on a new CI
 # machine, a new venv takes 41 s on the 2-core machine, against 51 s when pip installed torch first
 # (unpacking and compiling it on one core) and 94 s with pip alone. The torch pin is uv's
-# constraint too, so no package can pull a CUDA build of torch. --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set nothing would write it
-# later, and every process would compile what it imports.
+# constraint too, so no package can pull a CUDA build of torch. --compile-bytecode: where
+# PYTHONDONTWRITEBYTECODE is set nothing would write it later, and every process would compile
+# what it imports.
 FIND_LINKS = $(foreach dir,$(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(dir))
 $(VENV)/.installed: $(PY) setup.cfg pyproject.toml
 	$(PY) -m pip install -q uv

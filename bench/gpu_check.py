@@ -56,6 +56,7 @@ MEMORY_OPTIONS = [
 
 
 STEPS = ("tests", "modes", "memory", "resume", "train_bench", "fsdp", "causal_lm", "telemetry")
+LOSS_WINDOW_STEPS = 10  # causal_lm's log interval: the windows compare_losses sets side by side
 
 
 class Check:
@@ -236,7 +237,7 @@ def causal_lm(c: Check, gpus: int) -> None:
     # optim.implementation=auto picks on CUDA; on one GPU and on all of them
     runs = [(strategy, compiled, n) for n in sorted({1, gpus}) for strategy in ("ddp", "fsdp")
             for compiled in (False, True)]
-    losses: dict[bool, list[float]] = {}  # of the pair being run: eager (False), then compiled
+    eager_losses: list[float] | None = None  # the pair's eager run, for its compiled run
     for strategy, compiled, n in runs:
         check = f"causal_lm gpt {strategy} bf16 {'compiled' if compiled else 'eager'} on {n} GPU(s)"
         proc, summary, run_dir = c.train(
@@ -244,14 +245,13 @@ def causal_lm(c: Check, gpus: int) -> None:
             "task=causal_lm", "model=gpt", "model.d_model=768", "model.num_layers=12", "model.num_heads=12",
             "data.seq_len=1024", "data.batch_size=8", "memory.amp=bf16", f"data.path={data}",
             f"model.compile={str(compiled).lower()}",
-            "optim.max_steps=100", "log_every_steps=10", "logger=jsonl")
+            "optim.max_steps=100", f"log_every_steps={LOSS_WINDOW_STEPS}", "logger=jsonl")
         if summary is None:
-            losses.pop(False, None)  # no pair to compare
+            eager_losses = None  # no pair to compare
             c.failed(check, proc)
             continue
         windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                    if "tokens_per_s" in line]
-        losses[compiled] = [w["train_loss"] for w in windows]
         last = windows[-1]
         mfu = "null" if last["mfu"] is None else f"{100 * last['mfu']:.1f}%"
         # every window's rate (a slow one in the middle: a recompile, a checkpoint) and the
@@ -263,9 +263,12 @@ def causal_lm(c: Check, gpus: int) -> None:
               f"compile {summary['startup_s'].get('compile', 0):.0f} s, recompiles {recompiles}, "
               f"optimizer {summary['optim_implementation']}; windows (k tokens/s): "
               + " ".join(f"{w['tokens_per_s'] / 1000:,.0f}" for w in windows))
-        if compiled and False in losses:
+        losses = [w["train_loss"] for w in windows]
+        if not compiled:
+            eager_losses = losses
+        elif eager_losses is not None:
             compare_losses(c, f"causal_lm gpt {strategy} bf16 compiled vs eager on {n} GPU(s)",
-                           losses.pop(False), losses.pop(True))
+                           eager_losses, losses)
 
 
 def compare_losses(c: Check, check: str, eager: list[float], compiled: list[float]) -> None:
@@ -276,7 +279,7 @@ def compare_losses(c: Check, check: str, eager: list[float], compiled: list[floa
     a gap in the first window is the compiled code's, not rounding."""
     gaps = [100 * (b / a - 1) for a, b in zip(eager, compiled, strict=False)]
     verdict = "ok" if gaps and abs(gaps[0]) < 1 and abs(gaps[-1]) < 3 else "DIFFERS"
-    c.row(check, verdict, "loss per 10 steps, eager / compiled (gap): "
+    c.row(check, verdict, f"loss per {LOSS_WINDOW_STEPS} steps, eager / compiled (gap): "
           + ", ".join(f"{a:.3f}/{b:.3f} ({g:+.1f}%)" for a, b, g in zip(eager, compiled, gaps, strict=False)))
 
 

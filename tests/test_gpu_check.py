@@ -28,4 +28,5 @@ def test_a_compiled_run_is_compared_window_by_window(compiled: list[float], verd
     [(check, result, detail)] = rows.rows
     assert (check, result) == ("pair", verdict)
     if compiled:
-        assert detail.startswith("loss per 10 steps, eager / compiled (gap): 4.584/")
+        steps = gpu_check.LOSS_WINDOW_STEPS
+        assert detail.startswith(f"loss per {steps} steps, eager / compiled (gap): 4.584/")
