@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -299,13 +300,25 @@ def parallel_map(stack: contextlib.ExitStack, fn: Callable[[Any], T], items: Seq
 def _in_order(executor: ProcessPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any],
               num_workers: int, chunksize: int) -> Iterator[T]:
     chunks = (items[i:i + chunksize] for i in range(0, len(items), chunksize))
-    pending: collections.deque[Future[list[T]]] = collections.deque()
+    pending: collections.deque[tuple[Sequence[Any], Future[list[T]]]] = collections.deque()
     for chunk in chunks:
-        pending.append(executor.submit(_map_chunk, fn, chunk))
+        pending.append((chunk, executor.submit(_map_chunk, fn, chunk)))
         if len(pending) >= 2 * num_workers:
-            yield from pending.popleft().result()
+            yield from _results(*pending.popleft())
     while pending:
-        yield from pending.popleft().result()
+        yield from _results(*pending.popleft())
+
+
+def _results(chunk: Sequence[Any], future: Future[list[T]]) -> list[T]:
+    """A chunk's results, or one error line where a reader died (a multiprocessing.Pool waited
+    forever for its chunk; the executor knows). The dead reader's chunk is this one or a later one:
+    a broken executor fails every chunk not yet returned."""
+    try:
+        return future.result()
+    except BrokenProcessPool as e:
+        raise DatasetError(f"a reader process ended without a result (killed, or out of memory) "
+                           f"before {chunk[0]} and what follows it were read: nothing was "
+                           f"published (run again, or num_workers=1 to read in this process)") from e
 
 
 def _map_chunk(fn: Callable[[Any], T], chunk: Sequence[Any]) -> list[T]:

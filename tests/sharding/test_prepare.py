@@ -328,6 +328,23 @@ def test_a_failed_read_lets_the_running_readers_finish_instead_of_killing_them(t
     assert max(int(n) for n in started) < 2 * 2
 
 
+def _killed_at_three(number: int) -> int:
+    if number == 3:
+        time.sleep(0.5)  # items 0 and 1 have come back by then: the first chunk missing is 2-3
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    return number
+
+
+@pytest.mark.timeout(120)  # the Pool version waits forever
+def test_a_reader_that_dies_is_one_error_line_not_a_wait(tmp_path):
+    """A killed reader's chunk never came back, and multiprocessing.Pool waited for it forever."""
+    with pytest.raises(DatasetError, match=r"a reader process ended without a result \(killed, or out of "
+                                           r"memory\) before 2 and what follows it were read: nothing"), \
+            contextlib.ExitStack() as stack:
+        for _ in parallel_map(stack, _killed_at_three, list(range(8)), 2, chunksize=2):
+            pass
+
+
 def test_the_command_prints_an_empty_npy_as_one_error_line(npy_dir, tmp_path):
     directory, _ = npy_dir
     (directory / "s003.npy").write_bytes(b"")
