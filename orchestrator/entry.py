@@ -73,6 +73,9 @@ def _overrides(argv: Sequence[str]) -> list[str]:
     """The overrides of a Hydra command line, as ``@hydra.main`` finds them (``--cfg job``,
     ``-m``, ``--config-name X`` are Hydra's own flags); none when Hydra would refuse the flags
     itself (it prints its usage)."""
+    from orchestrator import library_versions
+    if not library_versions.hooks_allowed("hydra-core"):
+        return []  # Hydra refuses what it cannot parse itself, with its own message
     from hydra._internal.utils import get_args_parser
 
     quiet = io.StringIO()  # its usage or --version: Hydra prints them when it parses the same line
@@ -147,6 +150,10 @@ def _mode_from_the_command_line() -> Iterator[None]:
     was 0.13 s of a submitting ``jobs.train``'s 0.45 s of CPU after its imports (and each rank under
     the user's own srun paid it too). Where ``mode_probe_needed`` says no, it answers as the probe
     would have on these configs: None, "the command line decides"."""
+    from orchestrator import library_versions
+    if not library_versions.hooks_allowed("hydra-core"):
+        yield  # Hydra's own probe
+        return
     from hydra._internal.hydra import Hydra
 
     probe = getattr(Hydra, "get_mode", None)  # Hydra's own, not a public API: checked, not assumed

@@ -17,14 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = ("orchestrator", "sharding", "jobs", "hydra_plugins", "switchyard")
 
 BASE = {"orchestrator.config", "orchestrator.atomic", "orchestrator.terminal", "orchestrator.stop_signals",
-        "orchestrator.entry", "orchestrator.quick_exit"}
+        "orchestrator.entry", "orchestrator.quick_exit", "orchestrator.library_versions"}
 # unit -> the other first-party units it may import (a unit may always import itself)
 ALLOWED: dict[str, set[str]] = {
     "sharding": {"orchestrator.atomic"},  # durable renames only: atomic imports the standard library alone
     "orchestrator.config": set(),
     "orchestrator.atomic": set(),
     "orchestrator.terminal": set(),
-    "orchestrator.entry": {"orchestrator.terminal"},
+    "orchestrator.entry": {"orchestrator.terminal", "orchestrator.library_versions"},
+    "orchestrator.library_versions": set(),
     "orchestrator.quick_exit": set(),
     "orchestrator.stop_signals": set(),
     "orchestrator.localcluster": set(),

@@ -145,7 +145,10 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
     them once and forks the ranks (``fork_start``), for a single job or each task of an array.
     ``own_code``: each task's process runs only Switchyard's code and the user's model, not a
     user's Python function: it starts through ``job_entry`` (no teardown at its end)."""
+    from orchestrator import library_versions
     from orchestrator.launch import fork_start, job_entry
+    if not library_versions.hooks_allowed("submitit"):  # submitit's own executors and entry
+        rank_modules, own_code = (), False
     if mode != "local" or not rank_modules:
         fork_start.release_template()  # no controller of this process's will be forked from it
     if mode == "local":

@@ -110,6 +110,9 @@ class CompositionCache:
 
 
 def install_composition_cache(hydra_context: HydraContext) -> None:
+    from orchestrator import library_versions
+    if not library_versions.hooks_allowed("hydra-core"):
+        return  # each point is composed again by Hydra's own loader
     if not isinstance(hydra_context.config_loader, CompositionCache):
         hydra_context.config_loader = cast("ConfigLoader", CompositionCache(hydra_context.config_loader))
 
