@@ -54,12 +54,11 @@ from orchestrator.launch import (
     fork_start,
     provenance,
     rendezvous,
-    run_lock,
-    signal_delay,
     single,
     snapshot,
     submit,
 )
+from orchestrator.launch.submission import Plan, Submission
 from orchestrator.quick_exit import exit_now
 from orchestrator.terminal import one_line, printable
 from orchestrator.training import checks, estimate, rank_process, resume, trainer
@@ -151,30 +150,27 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     launch = dist_env.attached_launch()
     if launch is not None:
         return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
-    print(f"run_dir: {run_dir}", flush=True)
-    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
-    run_lock.check_free(run_dir)
-    run_lock.check_free(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")
+    submitted = Submission(
+        app="train", command=" ".join(overrides), run_dir=run_dir, cluster=cfg.cluster,
+        parallelism=cfg.parallelism, overrides=overrides,
+        check=lambda cluster: plan(dataclasses.replace(cfg, cluster=cluster), run_dir),
+        held=[(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")]).run()
+    return None if submitted.results is None else report(submitted.results[0], run_dir)
+
+
+def plan(cfg: TrainConfig, run_dir: Path) -> Plan[dict[str, Any]]:
+    """What a submitted training job runs, once everything that can be checked here is."""
     paths, memory = check_before_submit(cfg, run_dir)
-    config_yaml = OmegaConf.to_yaml(cfg)  # the snapshot's and the registry's record of it
-    code = provenance.at_submission(cfg.cluster, snapshot.targets(cfg), run_dir, config_yaml)
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code,
-                                    container_paths(cfg, paths, run_dir), rank_process.rank_modules(cfg),
-                                    own_code=True)
-    if cfg.cluster.dry_run:
-        if memory is not None:  # before the script, which stays the output's tail (ends as it would run)
-            print(f"{memory.table()}\n")
-        print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
-        return None
-    if memory is not None:
-        print(memory.line(), flush=True)
-        estimate.write_report(run_dir, memory)  # rank 0 puts it in summary.json beside the peak
-    job = submit.submit(executor, train_job, cfg, paths, str(run_dir))
-    # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
-    recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
-                                       config_yaml)
-    results = single.follow(cfg.cluster, recorded, job, run_dir)
-    return None if results is None else report(results[0], run_dir)
+
+    def before_submit() -> None:
+        if memory is not None:
+            print(memory.line(), flush=True)
+            estimate.write_report(run_dir, memory)  # rank 0 puts it in summary.json beside the peak
+
+    return Plan(train_job, (cfg, paths, str(run_dir)), OmegaConf.to_yaml(cfg), targets=snapshot.targets(cfg),
+                mounts=container_paths(cfg, paths, run_dir), rank_modules=rank_process.rank_modules(cfg),
+                own_code=True, dry_run_preface=memory.table() if memory is not None else None,
+                before_submit=before_submit)
 
 
 def train_job(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: str) -> dict[str, Any]:

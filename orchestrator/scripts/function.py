@@ -28,18 +28,17 @@ import submitit
 from omegaconf import OmegaConf
 
 from orchestrator import atomic
+from orchestrator.config import ConfigError
 from orchestrator.launch import (
     dist_env,
     local_jobs,
-    provenance,
     rank_env,
     run_lock,
-    signal_delay,
     single,
     slurm_query,
-    submit,
 )
 from orchestrator.launch.cancel import cancel as cancel_recorded
+from orchestrator.launch.submission import Plan, Submission
 from orchestrator.registry.db import SINGLE_NUM, Registry
 from orchestrator.registry.reconciliation import reconcile
 from orchestrator.scripts import job as run_job
@@ -234,18 +233,25 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     ``result()``)."""
     cfg = compose(overrides)
     run = Path(run_dir or default_run_dir(fn)).absolute()
-    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run, announce=False))
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    submitted = Submission(
+        app=APP, command=f"{name} {' '.join(overrides)}".strip(), run_dir=run, cluster=cfg.cluster,
+        parallelism=cfg.parallelism, overrides=overrides, announce=False, follow=False,
+        check=lambda cluster: plan(fn, dataclasses.replace(cfg, cluster=cluster), run, args, kwargs)).run()
+    return FunctionJob(cast(submitit.Job[Any], submitted.job), run, submitted.recorded)
+
+
+def plan(fn: Callable[..., Any], cfg: RunConfig, run: Path, args: tuple[Any, ...], kwargs: dict[str, Any]
+         ) -> Plan[Any]:
+    """Every rank runs ``fn`` behind ``FunctionRank``; its module is the snapshot's to hold."""
+    if cfg.cluster.dry_run:
+        raise ConfigError("cluster.dry_run=true is not for switchyard.submit, which returns the queued job "
+                          "(try `switchyard run --dry-run ... -- python your_script.py` to see the script)")
     run_job.check_resources(cfg)
-    run_lock.check_free(run)
     spec = FunctionSpec(str(run), cfg.parallelism.gpus_per_node, cfg.cluster.max_requeues,
                         cfg.cluster.rendezvous_timeout_s, cfg.telemetry.enabled, cfg.telemetry.interval_s)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     module = getattr(fn, "__module__", None) or "__main__"  # __main__ is pickled by value
-    code = provenance.at_submission(cfg.cluster, [] if module == "__main__" else [module], run, config_yaml)
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run / "submitit", code)
-    job = submit.submit(executor, function_rank(fn, spec), *args, **kwargs)
-    atomic.write_text(run / "config.yaml", config_yaml)
-    name = getattr(fn, "__qualname__", type(fn).__qualname__)
-    recorded = single.record_submitted(APP, f"{name} {' '.join(overrides)}".strip(), job, run,
-                                       list(overrides), config_yaml, announce=False)
-    return FunctionJob(cast(submitit.Job[Any], job), run, recorded)
+    return Plan(function_rank(fn, spec), args, config_yaml, kwargs=kwargs,
+                targets=[] if module == "__main__" else [module],
+                before_submit=lambda: atomic.write_text(run / "config.yaml", config_yaml))

@@ -35,14 +35,12 @@ from orchestrator.config import (
 from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
     dist_env,
-    provenance,
     rank_env,
-    run_lock,
     signal_delay,
-    single,
     slurm_request,
     submit,
 )
+from orchestrator.launch.submission import Plan, Submission
 from orchestrator.scripts import rank
 from orchestrator.scripts.schema import RunConfig, register_run_configs
 from orchestrator.terminal import one_line, printable
@@ -153,28 +151,26 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
         if dist_env.detect().is_main:
             write_run_files(run_dir, cfg, spec_of(cfg, run_dir), config_yaml)
         return [rank.run_rank(spec_of(cfg, run_dir), str(run_dir))]
-    print(f"run_dir: {run_dir}", flush=True)
-    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
+    submitted = Submission(
+        app=APP, command=f"{' '.join(overrides)} -- {shlex.join(cfg.command)}".strip(), run_dir=run_dir,
+        cluster=cfg.cluster, parallelism=cfg.parallelism, overrides=overrides,
+        check=lambda cluster: plan(dataclasses.replace(cfg, cluster=cluster), run_dir, config_yaml)).run()
+    return None if submitted.results is None else report(submitted.results, run_dir)
+
+
+def plan(cfg: RunConfig, run_dir: Path, config_yaml: str) -> Plan[rank.RankResult]:
+    """Each rank runs the command (``rank.run_rank``), a process of its own; debug runs it here."""
     check_before_submit(cfg)
-    run_lock.check_free(run_dir)
     spec = spec_of(cfg, run_dir)
-    write_run_files(run_dir, cfg, spec, config_yaml)
-    if cfg.cluster.mode == "debug":
+
+    def in_process() -> list[rank.RankResult]:
         with rank.redirected_signals():
-            return report([rank.run_rank(spec, str(run_dir))], run_dir)
-    code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml, scripts_of(cfg))
-    mounted: list[tuple[str, str | Path | None]] = [
-        ("cwd", spec.cwd), *(("the command's script", p) for p in scripts_of(cfg))]
-    executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code, mounted,
-                                    own_code=True)  # each rank's command is a process of its own
-    if cfg.cluster.dry_run:
-        print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
-        return None
-    job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
-    command = f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip()
-    recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml)
-    results = single.follow(cfg.cluster, recorded, job, run_dir)
-    return None if results is None else report(results, run_dir)
+            return [rank.run_rank(spec, str(run_dir))]
+
+    return Plan(rank.run_rank, (spec, str(run_dir)), config_yaml, scripts=scripts_of(cfg),
+                mounts=[("cwd", spec.cwd), *(("the command's script", p) for p in scripts_of(cfg))],
+                own_code=True, before_submit=lambda: write_run_files(run_dir, cfg, spec, config_yaml),
+                in_process=in_process if cfg.cluster.mode == "debug" else None)
 
 
 def scripts_of(cfg: RunConfig) -> list[Path]:

@@ -55,3 +55,14 @@ def test_the_package_exports_the_api_lazily(name: str) -> None:
     import switchyard
 
     assert getattr(switchyard, name) is not None
+
+
+def test_a_dry_run_is_refused_instead_of_queued(tmp_path: Path) -> None:
+    """``cluster.dry_run=true`` queued the function anyway: the function API returns a job, and a
+    dry run has none."""
+    from orchestrator.config import ConfigError
+    from switchyard import submit
+
+    with pytest.raises(ConfigError, match=r"cluster.dry_run=true is not for switchyard.submit"):
+        submit(sorted, [2, 1], overrides=["cluster=slurm", "cluster.dry_run=true"], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "submitit").exists()
