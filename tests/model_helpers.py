@@ -161,3 +161,36 @@ class SlowToBuildOnRank1(RowPoolingMLP):
         if dist.is_initialized() and dist.get_rank() == 1:
             time.sleep(self.SLOW_BUILD_S)
         super().__init__(*args, **kwargs)
+
+
+class StuckOnRank1(RowPoolingMLP):
+    """From its ``STUCK_AT``-th forward on, rank 1 spins in Python (``spin_in_python``): alive, its
+    heartbeat beating on at the same step as rank 0, which waits in the gradients' all-reduce."""
+
+    STUCK_AT = 4
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        self.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.calls >= self.STUCK_AT:
+            spin_in_python()
+        return super().forward(x, mask)
+
+
+def spin_in_python() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+class SkipsACollectiveOnRank1(StuckOnRank1):
+    """At its ``STUCK_AT``-th forward, rank 1 enters a broadcast the other ranks never call: from
+    there, the ranks' collectives no longer pair up."""
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        self.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.calls == self.STUCK_AT:
+            dist.broadcast(torch.zeros(3), src=0)
+        return RowPoolingMLP.forward(self, x, mask)

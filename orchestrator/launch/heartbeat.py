@@ -31,7 +31,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,8 +80,12 @@ class Beat:
 class Heartbeat:
     """This rank's beating thread; the trainer moves ``step`` and ``phase`` as it goes."""
 
-    def __init__(self, run_dir: Path, rank: int, node: str, interval_s: float) -> None:
+    def __init__(self, run_dir: Path, rank: int, node: str, interval_s: float,
+                 watch: Callable[[int, str], None] | None = None) -> None:
+        """``watch(step, phase)``: called by the beating thread after each beat (the hang dumps'
+        request: ``hang_dumps.Dumper.poll``)."""
         self.path = heartbeat_dir(run_dir) / f"rank-{rank}.json"
+        self.watch = watch
         self.rank, self.node, self.interval_s = rank, node, interval_s
         self.step, self.phase = 0, "start"
         self._count = 0
@@ -107,6 +111,9 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.beat()
+            if self.watch is not None:
+                with contextlib.suppress(Exception):  # a dump that fails must not stop the beats
+                    self.watch(self.step, self.phase)
 
     def __enter__(self) -> Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from orchestrator.launch import (
     bad_nodes,
     container,
     dist_env,
+    hang_dumps,
     heartbeat,
     local_jobs,
     slurm_query,
@@ -589,12 +590,6 @@ def stopped(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobStoppedEr
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator)|"
                         r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout|DistNetworkError|"
                         r"rank 0 stopped before training|after rank \d+ had failed")
-# A collective that waited too long: gloo raises on the waiting ranks, NCCL's watchdog aborts them.
-_COLLECTIVE_TIMEOUT = re.compile(r"Application timeout caused pair closure|Timed out waiting|"
-                                 r"Watchdog caught collective operation timeout|"
-                                 r"ProcessGroup\w* .*timed out|Socket Timeout")
-
-
 def culprits_of(outcomes: list[RankOutcome], died: list[tuple[int, str]],
                 hung: Sequence[int] = ()) -> list[RankOutcome]:
     """Which ranks caused the failure, strongest evidence first.
@@ -628,8 +623,16 @@ def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
     reasons = dict(died)
     lines = [f"job {job.job_id} failed ({final_state(job)}):"]
     hang = hang_verdict(outcomes, run_dir)
+    where = hang_dumps.report(hang_dumps.read_dumps(run_dir), len(outcomes)) if hang and run_dir else None
+    if hang is not None and not hang.ranks and where is not None and where.ranks:  # alive elsewhere
+        hang = heartbeat.Verdict(where.ranks, {r: "the others waited for it" for r in where.ranks},
+                                 where.summary)
     if hang is not None:
         lines.append(f"collective timeout: {hang.summary}.")
+    if where is not None and run_dir is not None:
+        lines.append(f"where each rank was ({hang_dumps.hang_dir(run_dir)}):")
+        lines += [f"  {line}" for line in where.lines]
+        hang_dumps.record(run_dir, hang.summary if hang else where.summary, where)
     culprits = culprits_of(outcomes, died, hang.ranks if hang else ())
     reporter = "Switchyard saw" if isinstance(job, LocalJob) else "srun reports"
     for o in culprits[:4]:
@@ -646,15 +649,12 @@ def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
     return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
 
 
-def is_collective_timeout(error: str) -> bool:
-    """Whether a rank's error is a collective that waited too long (gloo's or NCCL's words)."""
-    return _COLLECTIVE_TIMEOUT.search(error) is not None
+is_collective_timeout = hang_dumps.is_collective_timeout
 
 
 def hang_verdict(outcomes: Sequence[RankOutcome], run_dir: Path | None) -> heartbeat.Verdict | None:
     """The heartbeats' verdict when the failure is a collective that timed out; None otherwise."""
-    if run_dir is None or not any(_COLLECTIVE_TIMEOUT.search(o.error or o.no_output or "")
-                                  for o in outcomes):
+    if run_dir is None or not any(is_collective_timeout(o.error or o.no_output or "") for o in outcomes):
         return None
     world = len(outcomes)
     return heartbeat.verdict([b for b in heartbeat.read_beats(run_dir) if b.rank < world], world)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from orchestrator.entry import shown
-from orchestrator.launch import local_jobs, provenance, slurm_query
+from orchestrator.launch import hang_dumps, local_jobs, provenance, slurm_query
 from orchestrator.launch.cancel import SLURM_END_WAIT_S, CancelError, cancel
 from orchestrator.registry.db import (
     Attempt,
@@ -405,6 +405,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     # (a registry from before that: its run directory's provenance.json)
     origin = registry.provenance(ref.sweep_id, ref.num) or provenance.read(job.run_dir)
     resumed = provenance.resumed_from(job.run_dir)
+    hang = hang_dumps.recorded(Path(job.run_dir))  # where each rank was when a collective hung
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
@@ -412,7 +413,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                           "attempts": [a.__dict__ for a in attempts],
                           "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
                           "memory": memory, "warnings": reconciled.warnings, "failure": cause,
-                          "resumed_from": resumed},
+                          "resumed_from": resumed, "hang": hang},
                          indent=1), file=out)
         return 0
     colour = colour_enabled(out)
@@ -433,6 +434,10 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
         print(line, file=out)
     if cause is not None:
         print(f"\nwhy try {attempts[-1].attempt} failed (its ranks' results and logs):\n{cause}", file=out)
+    if hang is not None:
+        where = hang_dumps.hang_dir(Path(job.run_dir))
+        print(f"\ncollective timeout: {hang.get('verdict')}\nwhere each rank was ({where}):",
+              *(f"  {line}" for line in hang.get("lines", [])), sep="\n", file=out)
     if memory:
         print("\n" + format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)

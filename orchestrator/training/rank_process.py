@@ -17,7 +17,7 @@ import torch
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, TrainConfig
-from orchestrator.launch import dist_env, rendezvous, run_lock
+from orchestrator.launch import dist_env, hang_dumps, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import clear_end_summary, register_rank
 from orchestrator.telemetry.preflight import preflight
@@ -83,12 +83,16 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     clock.mark("preflight")
     if env.is_main:
         clear_end_summary(run)
+        hang_dumps.clear(run)
     sampler = memory_report.node_sampler(cfg, run, env, uuids)
+    os.environ.update(hang_dumps.recorder_environment(run))  # before the process group starts
     rt = runtime.start(env, cfg.parallelism, cfg.cluster, run / "rendezvous", report.device_index, run)
     clock.mark("rendezvous")
     runtime.check_bf16(rt.device, cfg.memory.amp)  # where submission could not name the GPU
     runtime.set_tf32(rt.device, cfg.memory.tf32)
-    pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
+    dumper = hang_dumps.Dumper(run, env.rank, env.world_size, env.hostname)
+    interval_s = interval_for(cfg.cluster.collective_timeout_s)
+    pulse = Heartbeat(run, env.rank, env.hostname, interval_s, watch=dumper.poll)
     try:
         with pulse:
             with sampler or contextlib.nullcontext():
@@ -101,7 +105,9 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
         if rt.is_main:
             finish(run, summary, clock)
         return summary
-    except Exception:
+    except Exception as e:
+        if hang_dumps.is_collective_timeout(f"{type(e).__name__}: {e}"):  # where was everyone?
+            dumper.on_timeout(pulse.step, pulse.phase, e, wait_s=3 * interval_s + 2)
         if env.is_main and cfg.telemetry.enabled:
             memory_report.keep_end_summary(run)
         raise

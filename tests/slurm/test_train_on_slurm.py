@@ -82,6 +82,30 @@ def test_a_frozen_rank_is_named_on_slurm(tmp_path: Path) -> None:
     assert len(culprits) == 1 and culprits[0].startswith("rank 3 on node n2"), report
 
 
+def test_a_rank_alive_elsewhere_is_named_with_its_stack_on_slurm(tmp_path: Path) -> None:
+    """Before: both ranks beat on at the same step, so the report said 'cannot tell which rank
+    hung'. Rank 1 (on n2) spins in its model's forward while rank 0 (n1) waits in the all-reduce:
+    every live rank dumps its stack and collectives, and the report names rank 1 where it was."""
+    run_dir = tmp_path / "run"
+    tests = str(Path(__file__).resolve().parents[1])  # model_helpers, for the ranks
+    proc = run_train("cluster=slurm", "parallelism.nodes=2", "parallelism.procs_per_node=1",
+                     "optim.max_steps=1000", "data.demo_num_samples=512", "data.batch_size=16",
+                     "telemetry.enabled=false", "memory.estimate=off", "cluster.collective_timeout_s=6",
+                     "model=custom", "model._target_=model_helpers.StuckOnRank1", cache_dir=tmp_path / "cache",
+                     run_dir=run_dir, timeout=300,
+                     env={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    try:
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        report = proc.stderr[proc.stderr.index("error: job"):]
+        assert re.search(r"collective timeout: rank 1 \(n2\) last entered all_reduce #\d+ \(step \d+, "
+                         r"compute\); rank 0 entered all_reduce #\d+; rank 1's stack: \S+model_helpers.py:\d+ "
+                         r"in spin_in_python", report), report
+        assert "where each rank was" in report and report.count("  rank ") == 2
+    finally:
+        for submitted in (run_dir / "submitit").glob("*_submitted.pkl"):  # pass or fail: free the nodes
+            subprocess.run(["scancel", submitted.name.split("_")[0]], check=False)
+
+
 def test_forked_and_started_ranks_train_bit_identically_on_slurm(tmp_path: Path, queued: list[str]) -> None:
     """One srun task per node forks its ranks (cluster.rank_start=auto) or srun starts each rank
     (spawn): the same losses and weights to the last bit, eval included. Both queued at once:
