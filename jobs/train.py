@@ -63,6 +63,7 @@ from orchestrator.quick_exit import exit_now
 from orchestrator.terminal import one_line, printable
 from orchestrator.training import checks, estimate, rank_process, resume, trainer
 from orchestrator.training.checkpoint import CheckpointError
+from orchestrator.training.stragglers import Straggler
 
 register_configs()
 if _HELD:
@@ -252,6 +253,8 @@ def report(summary: dict[str, Any], run_dir: Path, notes: bool = True) -> dict[s
     if skipped:  # also in summary.json; each rank's log has a line per step
         print(f"warning: {len(skipped)} step(s) had a NaN or infinite loss or gradient and were "
               f"skipped (optim.on_nonfinite=skip): steps {skipped[:10]}", file=sys.stderr)
+    for slow in summary.get("stragglers") or []:  # also in summary.json and RUN/stragglers.json
+        print(f"warning: {Straggler(**slow).line().removeprefix('switchyard: ')}", file=sys.stderr)
     if notes and summary.get("resumed_from"):  # with the config changes it applied
         print("\n".join(provenance.resume_lines(summary["resumed_from"])))
     if (calibrated := estimate.calibration(summary)) is not None:  # every GPU run checks the estimate

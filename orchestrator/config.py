@@ -908,9 +908,19 @@ class TelemetryConfig:
     enabled: bool = True
     # a sample: ~0.1 ms without NVML, ~9 ms through NVML on an H100 node
     interval_s: float = ranged(5.0, WITHIN_A_YEAR)
+    # jobs.train's slow ranks (orchestrator/training/stragglers.py): a rank whose median lateness
+    # into the gradient reduction is over this share of a step, in slow_rank_windows logging windows
+    # in a row, is flagged (its node is left out by resubmit --failed); 0: not measured
+    slow_rank_fraction: float = ranged(0.25, Range(0, 100))
+    slow_rank_windows: int = 3
 
     def __post_init__(self) -> None:
         check_floats(self, "telemetry.")
+        if self.slow_rank_windows < 1:
+            raise ConfigError(f"telemetry.slow_rank_windows={self.slow_rank_windows} is invalid: a rank is "
+                              f"flagged after this many logging windows in a row, at least 1 (try "
+                              f"telemetry.slow_rank_windows=3, or telemetry.slow_rank_fraction=0 to stop "
+                              f"measuring)")
 
 
 @dataclass

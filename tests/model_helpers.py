@@ -194,3 +194,22 @@ class SkipsACollectiveOnRank1(StuckOnRank1):
         if dist.is_initialized() and dist.get_rank() == 1 and self.calls == self.STUCK_AT:
             dist.broadcast(torch.zeros(3), src=0)
         return RowPoolingMLP.forward(self, x, mask)
+
+
+class SlowDataOnRank1:
+    """A task's own view of the dataset (``Task.source``) whose batches rank 1 reads ``SLOW_S``
+    late: a slow data path (a loaded file system, a starved loader) on one rank."""
+
+    SLOW_S = 0.15
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.shard_counts = inner.dataset.shard_counts
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitems__(self, values: Any) -> Any:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(self.SLOW_S)
+        return self.inner.__getitems__(values)

@@ -13,7 +13,9 @@ A node is blamed for what is the node's doing, not the code's:
   ``after rank N had failed`` is a consequence, and SIGTERM (a stop asked for) blames nobody, as
   srun's ``Terminated`` does not;
 - a CUDA or NCCL error in the last lines of a rank's log (an ECC error, ``CUDA error: ...``,
-  ``NCCL error``; a device-side assert is the code's).
+  ``NCCL error``; a device-side assert is the code's);
+- a rank rank 0 flagged as persistently slow (``training.stragglers``: its line in rank 0's log),
+  weakest evidence, so only where nothing above blames a node.
 
 Pure functions over log text (``from_logs``) and one reader of an attempt's submitit logs
 (``of_attempt``).
@@ -42,6 +44,12 @@ _DEVICE_ERROR = re.compile(r"CUDA error(?!: device-side assert)|cudaError\w+|CUD
 _PEER_LOST = re.compile(r"remote process exited|Connection (reset|closed)|Broken pipe|timed? ?out",
                         re.IGNORECASE)
 _BANNER = re.compile(r"switchyard: rank (\d+)/\d+ on node (\S+)")
+# training.stragglers.Straggler.line: a rank rank 0 found persistently late into the reduction;
+# rank 0 also keeps them in RUN/stragglers.json (switchyard show reads it)
+STRAGGLERS_FILE = "stragglers.json"
+SLOW_LINE_PREFIX = "switchyard: slow rank"
+_SLOW = re.compile(SLOW_LINE_PREFIX + r" (\d+) on node (\S+): it enters the gradient reduction "
+                   r"([\d.]+) s after")
 # scripts.rank.describe_failure's first line for a command killed by a signal.
 _COMMAND_KILLED = re.compile(r"rank (\d+) on node (\S+): `[^`\n]*` was killed by (SIG[A-Z0-9]+)([^\n]*)")
 NOT_THE_NODES = frozenset({"SIGTERM", "SIGUSR2"})  # stop requests: preemption, cancel, the time limit
@@ -111,6 +119,12 @@ def from_logs(state: str, job_nodes: Sequence[str], batch_stderr: str,
         if rank_node is not None and line is not None:
             blamed.setdefault(rank_node, f"rank {rank}'s log ends with a CUDA/NCCL error: "
                                          f"{line.strip()[:200]}")
+    if blamed:
+        return [BadNode(node, why) for node, why in blamed.items()]
+    for _, text in rank_logs.values():
+        for slow_rank, node, late in _SLOW.findall(text):
+            blamed.setdefault(node, f"rank {slow_rank} was persistently slow there: it entered the "
+                                    f"gradient reduction {late} s after the others")
     return [BadNode(node, why) for node, why in blamed.items()]
 
 

@@ -21,6 +21,7 @@ from typing import IO, Any, cast
 
 from orchestrator.entry import shown
 from orchestrator.launch import hang_dumps, local_jobs, provenance, slurm_query
+from orchestrator.launch.bad_nodes import STRAGGLERS_FILE
 from orchestrator.launch.cancel import SLURM_END_WAIT_S, CancelError, cancel
 from orchestrator.registry.db import (
     Attempt,
@@ -406,6 +407,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     origin = registry.provenance(ref.sweep_id, ref.num) or provenance.read(job.run_dir)
     resumed = provenance.resumed_from(job.run_dir)
     hang = hang_dumps.recorded(Path(job.run_dir))  # where each rank was when a collective hung
+    slow = _read_json_list(Path(job.run_dir) / STRAGGLERS_FILE)  # ranks flagged as persistently late
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
@@ -413,7 +415,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                           "attempts": [a.__dict__ for a in attempts],
                           "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
                           "memory": memory, "warnings": reconciled.warnings, "failure": cause,
-                          "resumed_from": resumed, "hang": hang},
+                          "resumed_from": resumed, "hang": hang, "stragglers": slow},
                          indent=1), file=out)
         return 0
     colour = colour_enabled(out)
@@ -434,6 +436,10 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
         print(line, file=out)
     if cause is not None:
         print(f"\nwhy try {attempts[-1].attempt} failed (its ranks' results and logs):\n{cause}", file=out)
+    for flagged in slow:
+        print(f"slow rank {flagged.get('rank')} on node {flagged.get('node')}: it entered the gradient "
+              f"reduction {flagged.get('median_late_s')} s after the earliest rank "
+              f"({flagged.get('windows')} logging windows in a row)", file=out)
     if hang is not None:
         where = hang_dumps.hang_dir(Path(job.run_dir))
         print(f"\ncollective timeout: {hang.get('verdict')}\nwhere each rank was ({where}):",
@@ -442,6 +448,14 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
         print("\n" + format_summary(memory), file=out)
     print(f"\nresolved config ({config_path}):\n{config_text}", end="", file=out)
     return 0
+
+
+def _read_json_list(path: Path) -> list[dict[str, Any]]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [f for f in found if isinstance(f, dict)] if isinstance(found, list) else []
 
 
 def failure_cause(job: Job, attempt: Attempt, executor: str) -> str | None:

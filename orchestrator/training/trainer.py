@@ -55,6 +55,7 @@ from orchestrator.training.step import (
     optimizer_implementation,
     optimizer_kernels,
 )
+from orchestrator.training.stragglers import Lateness
 from orchestrator.training.tasks import build_task
 from orchestrator.training.throughput import throughput_for
 from orchestrator.training.train_state import Counters, RngState, TrainState
@@ -117,6 +118,8 @@ class Trainer:
         self.window = MetricsWindow(rt, None, self.peaks, self.task.unit,
                                     throughput_for(self.strategy.module(self.model), rt.device,
                                                    cfg.memory.amp, rt.env.world_size, cfg.memory.tf32))
+        self.lateness = Lateness(rt, run_dir, cfg.telemetry.slow_rank_fraction,
+                                 cfg.telemetry.slow_rank_windows)
         self.saved_step = -1  # the step of the newest checkpoint this run wrote or loaded
         self.guard = NonFiniteGuard(cfg.optim, cfg.log_every_steps, rt)
         self.eval_metrics: dict[str, float] = {}  # of the last evaluation
@@ -160,6 +163,7 @@ class Trainer:
         self.mark("data")
         batches = [next(stream) for _ in range(self.cfg.optim.grad_accum_steps)]
         self.mark("compute")
+        self.lateness.enter()  # one wall-clock read: how late this rank heads for the reduction
         sums = self.backward(batches)
         self.counters.batches += len(batches)  # the stream advanced the sampler as it handed them out
         if self.cfg.optim.clip_grad_norm > 0:
@@ -336,6 +340,7 @@ class Trainer:
                     self.check_finite()
                     lr = float(self.schedule.get_last_lr()[0])
                     loss, rate = window.close(self.step, lr, self.grad_norm)
+                    self.lateness.close()
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
                 bar.update(1)
                 if self.data.eval_ds is not None and self.due(cfg.eval_every_steps):
@@ -414,5 +419,6 @@ class Trainer:
             "resume_s": self.resumed_from["resume_s"] if self.resumed_from else None,
             "compile": self.compile_summary(),
             "optim_implementation": optimizer_implementation(self.optimizer),
+            **self.lateness.as_summary(),
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
