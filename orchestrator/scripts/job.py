@@ -34,6 +34,7 @@ from orchestrator.config import (
 )
 from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
+    container,
     dist_env,
     provenance,
     rank_env,
@@ -163,8 +164,9 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
         with rank.redirected_signals():
             return report([rank.run_rank(spec, str(run_dir))], run_dir)
     code = provenance.at_submission(cfg.cluster, [], run_dir, config_yaml, scripts_of(cfg))
-    mounted: list[tuple[str, str | Path | None]] = [
-        ("cwd", spec.cwd), *(("the command's script", p) for p in scripts_of(cfg))]
+    mounted = [container.Need("cwd", spec.cwd, shared=True),
+               *(container.Need("the command's script", p, fix="moving it to a path without ',' or ':'")
+                 for p in scripts_of(cfg))]
     executor = submit.make_executor(cfg.cluster, cfg.parallelism, run_dir / "submitit", code, mounted,
                                     own_code=True)  # each rank's command is a process of its own
     if cfg.cluster.dry_run:
