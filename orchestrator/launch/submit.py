@@ -126,13 +126,14 @@ def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
     box = cluster.container
     if box.runtime == "none":
         return {}
-    container.warn(container.check(box, dry_run=cluster.dry_run))
+    warnings = container.check(box, dry_run=cluster.dry_run)  # printed once nothing is refused
     needs = [container.Need(run_key, run_dir),
              container.Need("cluster.snapshot.dir", code.path if code else None,
                             named=str(code.path.parent) if code else None),
              container.Need("the submitting directory (on PYTHONPATH)", os.getcwd(), shared=True,
                             fix="submitting from a directory without ',' or ':' in its path"), *paths]
     mounts = container.mounts_for(box, needs, dry_run=cluster.dry_run)
+    container.warn(warnings)
     return {"setup": [*setup, *container.setup_lines(box)],
             "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args,
                           *container.srun_args(box, mounts, run_dir)],

@@ -446,3 +446,24 @@ def test_the_container_paths_sweep_passes_what_can_be_mounted(box: dict[str, str
                         f"checkpoint.dir='{box['out']}/a,b/../clean/ckpt'",
                         f"cluster.container.mounts=[{box['src']}:"
                         f"{box['run']}/../extra/../beside]", run_dir=f"{box['out']}/clean/run")
+
+
+def test_switchyard_run_refuses_a_working_directory_it_cannot_mount_in_one_line(
+        box: dict[str, str], tmp_path: Path) -> None:
+    """The command's working directory (``cwd``) is mounted as jobs.train's paths are."""
+    line = assert_one_error_line(*call_cli([
+        "run", "cluster=slurm", "container=apptainer", f"cluster.container.image={box['image']}",
+        "cluster.dry_run=true", "cluster.snapshot.enabled=false", f"hydra.run.dir={tmp_path / 'run'}",
+        f"cwd='{box['out']}/a,b'", "--", "true"]))
+    assert f"cwd='{box['out']}/a,b' is invalid: it holds ','" in line and SPLIT in line, line
+
+
+def test_jobs_train_itself_refuses_a_container_path_with_exit_2_and_one_line(box: dict[str, str]) -> None:
+    proc = run_train("cluster=slurm", "container=apptainer", f"cluster.container.image={box['image']}",
+                     "cluster.dry_run=true", "memory.estimate=off", f"checkpoint.dir='{box['out']}/a:b'",
+                     f"data.cache_dir={box['root']}/cache", f"hydra.run.dir={box['run']}",
+                     cwd=Path(box["code"]))
+    line = assert_one_error_line(proc.returncode, proc.stdout.replace(f"run_dir: {box['run']}\n", ""),
+                                 proc.stderr)
+    assert line.startswith(f"error: checkpoint.dir='{box['out']}/a:b' is invalid: it holds ':'"), line
+    assert not (Path(box["run"]) / "submitit").exists() or not any((Path(box["run"]) / "submitit").iterdir())
