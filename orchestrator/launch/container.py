@@ -8,9 +8,11 @@ submitted:
   the image's ``python`` runs the rank;
 - apptainer: the rank's Python is ``apptainer exec --nv --bind ... IMAGE python``.
 
-The mounts follow from the config (``mounts``): the code snapshot, the run directory, the
-submitting directory and every path the job names are bound at the same path inside, so no path
-differs between the submitting machine and the ranks. Switchyard itself imports inside the image
+The mounts follow from the config (``mounts_for``): the code snapshot, the run directory, the
+submitting directory and every path the job names (and where a symlink on the way to one leads)
+are bound at the same path inside, so no path differs between the submitting machine and the
+ranks; what the runtime would split, or a user mount that would hide or take over one of them, is
+refused before submission. Switchyard itself imports inside the image
 from its snapshot, which is put first on ``PYTHONPATH`` (``snapshot.setup_lines``): the image needs
 Python, torch and Switchyard's dependencies, not Switchyard.
 """
