@@ -50,6 +50,7 @@ from orchestrator.config import (
 from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
     attach,
+    container,
     dist_env,
     fork_start,
     provenance,
@@ -117,20 +118,18 @@ def check_before_submit(cfg: TrainConfig, run_dir: Path | None = None
     return paths, checks.check_before_submit(cfg, paths, run_dir)
 
 
-def container_paths(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path
-                    ) -> list[tuple[str, str | Path | None]]:
+def container_paths(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: Path) -> list[container.Need]:
     """What the ranks read and write outside the run directory, mounted into ``cluster.container``'s
-    image (``orchestrator.launch.container``); the directories the job writes into (the checkpoints,
-    the demo data's cache) are made first, to be mounted at their own paths."""
+    image (``orchestrator.launch.container``). The checkpoint directory is made at submission, to
+    be mounted at its own path (a dry run makes nothing); the demo dataset's cache, when it is the
+    one trained on, was made when the dataset was generated."""
     if cfg.cluster.container.runtime == "none":
         return []
-    checkpoints = resume.checkpoint_dir(cfg, run_dir)
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    if cfg.data.cache_dir:
-        Path(cfg.data.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
-    return [("data.path", paths.train), ("data.eval_path", paths.eval),
-            ("data.cache_dir", cfg.data.cache_dir), ("checkpoint.dir", checkpoints),
-            ("checkpoint.resume_from", cfg.checkpoint.resume_from)]
+    demo_cache = cfg.data.cache_dir if cfg.data.path is None else None
+    return [container.Need("data.path", paths.train), container.Need("data.eval_path", paths.eval),
+            container.Need("data.cache_dir", demo_cache),
+            container.Need("checkpoint.dir", resume.checkpoint_dir(cfg, run_dir), made=True),
+            container.Need("checkpoint.resume_from", cfg.checkpoint.resume_from)]
 
 
 def check_sweep_point(task_cfg: DictConfig) -> AppGroups:

@@ -899,6 +899,12 @@ class CheckpointConfig:
                           "checkpoint.every_steps=100")
         if self.keep_last < 1:
             raise invalid("checkpoint.keep_last", self.keep_last, "must be >= 1", "checkpoint.keep_last=2")
+        # `checkpoint.dir=` typed empty went on as if null, unsaid; it names no directory
+        for key, value, default in (("dir", self.dir, "RUN_DIR/checkpoints"),
+                                    ("resume_from", self.resume_from, "no checkpoint of another run")):
+            if value is not None and not value.strip():
+                raise invalid(f"checkpoint.{key}", value, f"an empty path names nothing (null: {default})",
+                              f"checkpoint.{key}=null, or checkpoint.{key}=<a path>")
 
 
 @dataclass

@@ -8,9 +8,11 @@ submitted:
   the image's ``python`` runs the rank;
 - apptainer: the rank's Python is ``apptainer exec --nv --bind ... IMAGE python``.
 
-The mounts follow from the config (``mounts``): the code snapshot, the run directory, the
-submitting directory and every path the job names are bound at the same path inside, so no path
-differs between the submitting machine and the ranks. Switchyard itself imports inside the image
+The mounts follow from the config (``mounts_for``): the code snapshot, the run directory, the
+submitting directory and every path the job names (and where a symlink on the way to one leads)
+are bound at the same path inside, so no path differs between the submitting machine and the
+ranks; what the runtime would split, or a user mount that would hide or take over one of them, is
+refused before submission. Switchyard itself imports inside the image
 from its snapshot, which is put first on ``PYTHONPATH`` (``snapshot.setup_lines``): the image needs
 Python, torch and Switchyard's dependencies, not Switchyard.
 """
@@ -53,64 +55,194 @@ class Mount:
         return f"{self.source}:{self.target}{':ro' if self.read_only else ''}"
 
 
-def needed(paths: Iterable[tuple[str, str | Path | None]]) -> list[Mount]:
-    """``(config key, path)`` pairs -> the mounts the job needs, each at its own path inside. A
-    path not there yet is mounted through its nearest existing parent, unless that is ``/`` or a
-    directory right under it (``/opt``, ``/usr``: the host's would hide the image's own, its
-    Python among them): the path stays missing, as the job's own checks report. A path inside
-    another one's mount is left to that mount."""
-    found: list[Mount] = []
-    for why, path in paths:
-        if path is None or str(path) == "":
+@dataclass(frozen=True)
+class Need:
+    """A path the ranks read or write, mounted at its own path inside the image."""
+
+    why: str  # the config key it comes from (data.path, hydra.run.dir) or, without one, what it is
+    path: str | Path | None
+    made: bool = False  # a directory the submission makes before the job starts (``make``)
+    shared: bool = False  # a working directory: a user mount may go inside it (not over it)
+    named: str | None = None  # the key's value, where ``path`` differs (a symlink's destination)
+    fix: str = ""  # the fix to propose where ``why`` is no key
+
+    def where(self) -> Path:
+        """Absolute, ``~`` and ``..`` resolved as the shell would, symlinks left as they are."""
+        return _absolute(str(self.path))
+
+
+# Separators of the mount lists (apptainer --bind, pyxis --container-mounts: SRC:DST[:ro],...):
+# a path that holds one is read as two paths, or as a path and options, on the node.
+SEPARATORS = (",", ":")
+
+
+def _absolute(path: str) -> Path:
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def _normal_target(target: str) -> str:
+    """A mount target as the runtime reaches it: ``..`` and ``.`` resolved (POSIX keeps a
+    leading ``//``; a mount point has none)."""
+    return "/" + os.path.normpath(target).lstrip("/")
+
+
+def mounts_for(container: ContainerConfig, needs: Sequence[Need], dry_run: bool = False) -> list[Mount]:
+    """Every mount of the job: one per path it needs (each at its own path, and each symlink's
+    destination that the mounts would not reach), then the user's (``cluster.container.mounts``).
+    Refused (``ConfigError``) before anything is made or submitted: a mount that the runtime would
+    split (``SEPARATORS``), a user mount whose source is missing or whose target hides a path the
+    job needs or lies inside one. Then the directories the job writes into are made (``make``),
+    unless ``dry_run``: a dry run makes nothing and shows the mounts the submission would have."""
+    wanted = followed(needs)
+    derived = needed(wanted)
+    extra = user_mounts(container)
+    for m in extra:
+        check_user_mount(container, m, wanted)
+    make(wanted, dry_run)
+    return [*derived, *(m for m in extra if m not in derived)]
+
+
+def needed(needs: Iterable[Need]) -> list[Mount]:
+    """The mounts the paths need, each at its own path inside. A path not there yet is mounted
+    through its nearest existing parent, unless that is ``/`` or a directory right under it
+    (``/opt``, ``/usr``: the host's would hide the image's own, its Python among them): the path
+    stays missing, as the job's own checks report. A directory the submission makes (``made``) is
+    mounted at its own path, made or not. A path inside another one's mount is left to that
+    mount. A mount whose path holds a separator is refused, naming the key it comes from."""
+    found: list[tuple[Mount, Need]] = []
+    for need in needs:
+        if need.path is None or str(need.path) == "":
             continue
-        where = Path(os.path.abspath(Path(path).expanduser()))
-        missing = not where.exists()
-        while not where.exists() and where != where.parent:
+        where = need.where()
+        missing = not where.exists() and not need.made
+        while missing and not where.exists() and where != where.parent:
             where = where.parent
         if where == where.parent or (missing and where.parent == where.parent.parent):
             continue
-        found.append(Mount(where, str(where), why=why))
+        found.append((Mount(where, str(where), why=need.why), need))
     kept: list[Mount] = []
-    for m in sorted(found, key=lambda m: len(m.source.parts)):
+    for m, need in sorted(found, key=lambda pair: len(pair[0].source.parts)):
         if not any(m.source == k.source or k.source in m.source.parents for k in kept):
+            check_separators(m.source, need)
             kept.append(m)
     return kept
 
 
+def check_separators(mounted: Path, need: Need) -> None:
+    """Refuse a mount that the runtime would split, naming the key its path comes from."""
+    held = " and ".join(repr(c) for c in SEPARATORS if c in str(mounted))
+    if not held:
+        return
+    value = need.named or str(need.path)
+    named = _absolute(value)
+    what = "it" if mounted == named else f"its mount {mounted}"
+    if not (need.where() == named or named in need.where().parents):
+        what += f" (where it leads through a symlink: {need.where()})"
+    why = (f"{what} holds {held}, which the container's mount list (apptainer --bind, pyxis "
+           f"--container-mounts: SRC:DST,...) reads as separators, so the job would fail on the node")
+    if " " in need.why:  # no config key: what it is
+        raise ConfigError(f"{need.why} {value!r} cannot be mounted into the image: {why} (try {need.fix})")
+    raise invalid(need.why, value, why, f"{need.why}=<a path without ',' or ':'>, or rename the "
+                                         "directory that holds them")
+
+
+def followed(needs: Sequence[Need], limit: int = 40) -> list[Need]:
+    """The paths, and where each symlink on the way to one leads, until every one is reached
+    inside: a path inside a mount that goes through a symlink (``data -> /scratch/ds`` under the
+    submitting directory) is a link to a path the image lacks unless that is mounted too. A
+    path that is itself a mount is not followed: the runtime mounts what its source leads to."""
+    wanted = list(needs)
+    for _ in range(limit):  # a chain of links, or a loop of them, ends here
+        mounts = needed(wanted)
+        known = {n.where() for n in wanted if n.path}
+        leads = (_through_symlink(w, mounts) for w in wanted if w.path)
+        new = [n for n in leads if n is not None and n.where() not in known]
+        if not new:
+            break
+        wanted += list({n.where(): n for n in new}.values())
+    return wanted
+
+
+def _through_symlink(need: Need, mounts: Sequence[Mount]) -> Need | None:
+    """Where the first symlink below the mount that holds ``need`` leads (with the rest of the
+    path), as a path the ranks need too; None when no symlink lies on the way."""
+    path = need.where()
+    cover = next((m for m in mounts if m.source == path or m.source in path.parents), None)
+    if cover is None or cover.source == path:
+        return None
+    here = cover.source
+    for part in path.relative_to(cover.source).parts:
+        step = here / part
+        if step.is_symlink():
+            lead = Path(os.path.normpath(here / os.readlink(step)))  # an absolute link replaces here
+            return Need(need.why, lead / path.relative_to(step), need.made, need.shared,
+                        need.named or str(need.path), need.fix)
+        if not step.exists():
+            return None
+        here = step
+    return None
+
+
+def make(needs: Iterable[Need], dry_run: bool) -> None:
+    """Make each directory the submission makes (``Need.made``), for the runtime to mount it at
+    its own path; a dry run makes nothing."""
+    for need in needs:
+        if dry_run or not need.made or not need.path:
+            continue
+        try:
+            need.where().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise invalid(need.why, str(need.path), f"it cannot be made ({e.strerror or e}) to be mounted",
+                          f"{need.why}=<a directory you can write>") from e
+
+
 def user_mounts(container: ContainerConfig) -> list[Mount]:
-    """``cluster.container.mounts``: ``SRC``, ``SRC:DST`` or ``SRC:DST:ro``."""
+    """``cluster.container.mounts``: ``SRC``, ``SRC:DST`` or ``SRC:DST:ro``, the target's ``..``
+    resolved."""
     found = []
     for i, spec in enumerate(container.mounts):
         parts = spec.split(":")
         key = f"cluster.container.mounts[{i}]"
         if not 1 <= len(parts) <= 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")) or not parts[0]:
             raise invalid(key, spec, "a mount is SRC, SRC:DST or SRC:DST:ro", f"{key}=/data:/data:ro")
-        source = Path(os.path.abspath(Path(parts[0]).expanduser()))
+        if "," in spec:
+            raise invalid(key, spec, "',' separates mounts in the container's mount list (apptainer "
+                          "--bind, pyxis --container-mounts), so it would be read as two",
+                          "one mount per entry, from paths without ','")
+        source = _absolute(parts[0])
         target = parts[1] if len(parts) > 1 and parts[1] else str(source)
         if not target.startswith("/"):
             raise invalid(key, spec, f"the target {target!r} is not an absolute path",
                           f"{key}={parts[0]}:/{target.lstrip('./')}")
-        found.append(Mount(source, target, len(parts) == 3 and parts[2] == "ro", key))
+        found.append(Mount(source, _normal_target(target), len(parts) == 3 and parts[2] == "ro", key))
     return found
 
 
-def all_mounts(container: ContainerConfig, derived: Sequence[Mount]) -> list[Mount]:
-    """The derived mounts, then the user's, refused (``ConfigError``) when a user mount's source is
-    missing or its target hides a path the job needs."""
-    extra = user_mounts(container)
-    for m in extra:
-        if not m.source.exists():
-            raise invalid(m.why, container.mounts[int(m.why.split("[")[1][:-1])],
-                          f"its source {m.source} does not exist on this machine (the nodes would "
-                          "fail to mount it)", f"{m.why}=<an existing path>")
-        for d in derived:
-            target = Path(m.target)
-            if m.source != target and (target == Path(d.target) or target in Path(d.target).parents):
-                raise invalid(m.why, container.mounts[int(m.why.split("[")[1][:-1])],
-                              f"its target {m.target} would hide {d.target}, which the job needs "
-                              f"({d.why}) under {m.source}'s files",
-                              f"{m.why}={m.source}:<a target outside {d.target}>")
-    return [*derived, *(m for m in extra if m not in derived)]
+def check_user_mount(container: ContainerConfig, m: Mount, needs: Sequence[Need]) -> None:
+    """Refuse a user mount whose source is missing, or whose target hides a path the job needs
+    (the path itself or a directory above it) or lies inside one that the job needs whole: under
+    the run directory, the submitting side would never see the logs, results and checkpoints
+    written over the mount (the job hung, then failed)."""
+    spec = container.mounts[int(m.why.split("[")[1][:-1])]
+    if not m.source.exists():
+        raise invalid(m.why, spec, f"its source {m.source} does not exist on this machine (the nodes "
+                      "would fail to mount it)", f"{m.why}=<an existing path>")
+    target = Path(m.target)
+    if m.source == target:  # the same directory at its own path: it hides nothing
+        return
+    for need in needs:
+        if not need.path:
+            continue
+        path = need.where()
+        if target == path or target in path.parents:
+            raise invalid(m.why, spec, f"its target {m.target} would hide {path}, which the job needs "
+                          f"({need.why}) under {m.source}'s files", f"{m.why}={m.source}:<a target "
+                          f"outside {path}>")
+        if path in target.parents and not need.shared:
+            raise invalid(m.why, spec, f"its target {m.target} lies inside {path} ({need.why}), which "
+                          "the job needs whole: what the job writes there would go into "
+                          f"{m.source} instead, unseen by the submitting side and the checks",
+                          f"{m.why}={m.source}:<a target outside {path}>")
 
 
 def container_name(run_dir: Path, container: ContainerConfig) -> str:

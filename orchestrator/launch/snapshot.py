@@ -26,7 +26,6 @@ import py_compile
 import re
 import shlex
 import shutil
-import sys
 import sysconfig
 import tempfile
 import time
@@ -328,19 +327,18 @@ def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
 # On the nodes
 
 
-def setup_lines(snap: Snapshot, python: str = sys.executable) -> list[str]:
+def setup_lines(snap: Snapshot) -> list[str]:
     """sbatch script lines (before srun; srun passes the environment on) that make every rank
     import from the snapshot. ``python -m`` puts its working directory first on ``sys.path``, where
     the checkout would shadow the snapshot: PYTHONSAFEPATH (Python 3.11) leaves it out, and the
     job's directory goes last instead, so modules not in the snapshot still import as before.
 
-    First the job checks that every file of the snapshot is still there (``CHECK``), and stops
-    with one line naming it otherwise: a snapshot deleted while the job waited (``switchyard
+    First the job checks that every file of the snapshot is still there (``check_script``), and
+    stops with one line naming it otherwise: a snapshot deleted while the job waited (``switchyard
     snapshots prune``, by hand) would leave the job's directory on ``PYTHONPATH``, and it would run
-    the working tree under the snapshot's name. ``python -I`` reads neither ``PYTHONPATH`` nor the
-    working directory: the check runs no code but the standard library's."""
+    the working tree under the snapshot's name."""
     path = str(snap.path)
-    return [f"{_sh(python)} -I -c {_sh(CHECK)} {_sh(path)} || exit 1",
+    return [f"{check_script(path)} || exit 1",
             f"export PYTHONPATH={_sh(path)}${{PYTHONPATH:+:$PYTHONPATH}}:\"$PWD\"",
             "export PYTHONSAFEPATH=1", f"export {SNAPSHOT_ENV}={_sh(path)}"]
 
@@ -351,25 +349,41 @@ _GONE = ("the code snapshot {path} of this job {what}: it was deleted after the 
 
 
 def gone_line(path: Path) -> str:
-    """Why a job whose snapshot is missing stops (``CHECK`` also names an incomplete one)."""
+    """Why a job whose snapshot is missing stops (``check_script`` also names an incomplete one)."""
     return _GONE.format(path=path, what="is missing")
 
 
-# The check and ``gone_line`` in code that imports only the standard library: the job's own
-# interpreter runs it with -I, before anything of Switchyard or the user is imported. Its strings
-# in double quotes (json.dumps): the sbatch script quotes the whole in single quotes.
-CHECK = f"""import json, os, sys
-root = sys.argv[1]
-try:
-    files = json.load(open(os.path.join(root, {json.dumps(MANIFEST)})))["files"]
-    missing = [rel for rel in files if not os.path.isfile(os.path.join(root, rel))]
-except (OSError, ValueError, KeyError, TypeError, AttributeError):
-    missing = [{json.dumps(MANIFEST)}]
-if missing:
-    what = "is missing" if missing == [{json.dumps(MANIFEST)}] else "is incomplete (%s%s gone)" % (
-        missing[0], " and %d more" % (len(missing) - 1) if len(missing) > 1 else "")
-    sys.exit("error: " + {json.dumps(_GONE)}.format(path=root, what=what))
-"""
+# The check, run by the batch script's own shell on the batch node with the standard tools (grep,
+# sed), before anything of Switchyard or the user runs. Not the submitting machine's Python: with
+# a container it is not on the nodes (the image's is, inside), and every job failed there. It
+# reads the manifest as ``_publish`` writes it (json.dumps, indent=0: one '"path": "sha256",' per
+# line inside "files"); a name that JSON escapes (a quote, a backslash, non-ASCII) is not looked
+# at, and a rank still stops where the manifest itself is gone (``submit.RankEntry``).
+_CHECK = r"""(
+root=@ROOT@
+manifest="$root"/@MANIFEST@
+what=
+if ! grep -qx '"files": {' "$manifest" 2>/dev/null; then
+  what="is missing"
+else
+  what=$(sed -n '/^"files": {$/,/^}/s/^"\([^"\\]*\)": "[0-9a-f]*",\{0,1\}$/\1/p' "$manifest" | {
+    n=0 first=
+    while IFS= read -r rel; do
+      [ -f "$root/$rel" ] || { n=$((n + 1)); [ -n "$first" ] || first=$rel; }
+    done
+    if [ "$n" -gt 1 ]; then echo "is incomplete ($first and $((n - 1)) more gone)"
+    elif [ "$n" -eq 1 ]; then echo "is incomplete ($first gone)"; fi; })
+fi
+[ -z "$what" ] || { printf @MESSAGE@ "$root" "$what" >&2; exit 1; }
+)"""
+
+
+def check_script(path: str) -> str:
+    """The shell lines that exit 1 with ``error: ...`` (``_GONE``) when the snapshot at ``path``
+    is missing or incomplete."""
+    message = "error: " + _GONE.replace("{path}", "%s").replace("{what}", "%s") + "\\n"
+    return (_CHECK.replace("@ROOT@", _sh(path)).replace("@MANIFEST@", _sh(MANIFEST))
+            .replace("@MESSAGE@", _sh(message)))
 
 
 def _sh(value: str) -> str:

@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 import submitit
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import provenance, run_lock, signal_delay, single, submit
+from orchestrator.launch import container, provenance, run_lock, signal_delay, single, submit
 
 R = TypeVar("R")
 
@@ -49,7 +49,7 @@ class Plan(Generic[R]):
     kwargs: dict[str, Any] = field(default_factory=dict)
     targets: Sequence[str] = ()  # modules whose code the snapshot must hold
     scripts: Sequence[Path] = ()  # Python files a command runs (their imports are recorded)
-    mounts: Sequence[tuple[str, str | Path | None]] = ()  # (config key, path) a container mounts
+    mounts: Sequence[container.Need] = ()  # the paths a container must mount, by config key
     rank_modules: Sequence[str] = ()  # imported once per node before the ranks fork
     own_code: bool = False  # each rank's process runs Switchyard's code only (job_entry)
     dry_run_preface: str | None = None  # printed before the dry run's script (the memory table)

@@ -91,11 +91,11 @@ class SubmissionError(ConfigError):
 
 def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
                   folder: Path, code: snapshot.Snapshot | None = None,
-                  paths: Sequence[tuple[str, str | Path | None]] = (),
+                  paths: Sequence[container.Need] = (),
                   rank_modules: Sequence[str] = (), own_code: bool = False) -> submitit.Executor:
     """The executor for ``cluster.mode``; one task per GPU, or per process on CPU. On SLURM, with
-    ``code``, every rank imports from that snapshot (``snapshot.setup_lines``). ``paths``: (config
-    key, path) the ranks read or write, mounted into ``cluster.container``'s image.
+    ``code``, every rank imports from that snapshot (``snapshot.setup_lines``). ``paths``: what the
+    ranks read or write, mounted into ``cluster.container``'s image.
     ``rank_modules``: what every rank imports before its first step; one process per node imports
     them once and forks the ranks (``fork_start``: a local job's controller, SLURM's node launcher)
     where ``cluster.forks_ranks``. ``own_code``: the job's process runs Switchyard's code, not a
@@ -117,19 +117,24 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
 
 
 def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
-                         code: snapshot.Snapshot | None, paths: Sequence[tuple[str, str | Path | None]],
-                         setup: Sequence[str] = ()) -> dict[str, Any]:
+                         code: snapshot.Snapshot | None, paths: Sequence[container.Need],
+                         setup: Sequence[str] = (), run_key: str = "hydra.run.dir") -> dict[str, Any]:
     """What ``cluster.container`` changes in the submitit parameters: the ``setup`` lines then the
     image's for the ranks, pyxis's srun arguments, the ``python`` that runs each rank
     (``new_executor`` hands it to submitit), after the checks that refuse what would fail on every
-    node (``container.check``)."""
+    node (``container.check``, ``container.mounts_for``). ``run_key``: the key that names
+    ``run_dir`` (a sweep's: hydra.sweep.dir)."""
     box = cluster.container
     if box.runtime == "none":
         return {}
-    container.warn(container.check(box, dry_run=cluster.dry_run))
-    mounts = container.all_mounts(box, container.needed([
-        ("the run directory", run_dir), ("the code snapshot", code.path if code else None),
-        ("the submitting directory (on PYTHONPATH)", os.getcwd()), *paths]))
+    warnings = container.check(box, dry_run=cluster.dry_run)  # printed once nothing is refused
+    needs = [container.Need(run_key, run_dir),
+             container.Need("cluster.snapshot.dir", code.path if code else None,
+                            named=str(code.path.parent) if code else None),
+             container.Need("the submitting directory (on PYTHONPATH)", os.getcwd(), shared=True,
+                            fix="submitting from a directory without ',' or ':' in its path"), *paths]
+    mounts = container.mounts_for(box, needs, dry_run=cluster.dry_run)
+    container.warn(warnings)
     return {"setup": [*setup, *container.setup_lines(box)],
             "srun_args": [*FAIL_FAST_SRUN_ARGS, *cluster.srun_args,
                           *container.srun_args(box, mounts, run_dir)],

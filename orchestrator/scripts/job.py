@@ -34,6 +34,7 @@ from orchestrator.config import (
 )
 from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
+    container,
     dist_env,
     rank_env,
     signal_delay,
@@ -167,8 +168,10 @@ def plan(cfg: RunConfig, run_dir: Path, config_yaml: str) -> Plan[rank.RankResul
         with rank.redirected_signals():
             return [rank.run_rank(spec, str(run_dir))]
 
-    return Plan(rank.run_rank, (spec, str(run_dir)), config_yaml, scripts=scripts_of(cfg),
-                mounts=[("cwd", spec.cwd), *(("the command's script", p) for p in scripts_of(cfg))],
+    mounted = [container.Need("cwd", spec.cwd, shared=True),
+               *(container.Need("the command's script", p, fix="moving it to a path without ',' or ':'")
+                 for p in scripts_of(cfg))]
+    return Plan(rank.run_rank, (spec, str(run_dir)), config_yaml, scripts=scripts_of(cfg), mounts=mounted,
                 own_code=True, before_submit=lambda: write_run_files(run_dir, cfg, spec, config_yaml),
                 in_process=in_process if cfg.cluster.mode == "debug" else None)
 

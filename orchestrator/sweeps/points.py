@@ -202,6 +202,7 @@ def take_snapshots(points: Sequence[Point]) -> None:
 # container of a point that names one.
 CONTAINER_PATH_KEYS = ("data.path", "data.eval_path", "data.cache_dir", "checkpoint.dir",
                        "checkpoint.resume_from")
+CONTAINER_MADE_KEYS = ("checkpoint.dir",)  # made at submission, to be mounted at its own path
 
 
 def add_containers(points: Sequence[Point], sweep_dir: Path) -> None:
@@ -213,18 +214,21 @@ def add_containers(points: Sequence[Point], sweep_dir: Path) -> None:
              and p.cluster.container.runtime != "none"]
     if not boxed:
         return
+    from orchestrator.launch.container import Need
     from orchestrator.launch.submit import container_parameters  # imports submitit
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
     for p, cluster in boxed:
-        paths = [(key, OmegaConf.select(p.task_cfg, key, default=None)) for key in CONTAINER_PATH_KEYS]
+        paths = [Need(key, OmegaConf.select(p.task_cfg, key, default=None), made=key in CONTAINER_MADE_KEYS)
+                 for key in CONTAINER_PATH_KEYS]
         if not Path(p.run_dir).absolute().is_relative_to(sweep_dir):
             Path(p.run_dir).mkdir(parents=True, exist_ok=True)
-            paths.append(("hydra.sweep.subdir", p.run_dir))
+            paths.append(Need("hydra.sweep.subdir", p.run_dir))
         try:
             gpus = int(p.resources.params.get("gpus_per_node") or 0)
             params = container_parameters(cluster, ParallelismConfig(gpus_per_node=gpus), sweep_dir,
-                                          p.code, paths, p.resources.params.get("setup", []))
+                                          p.code, paths, p.resources.params.get("setup", []),
+                                          run_key="hydra.sweep.dir")
         except ConfigError as e:
             raise SweepError(f"{p.name}: {e}") from e
         p.resources = replace(p.resources, params={**p.resources.params, **params})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -329,3 +330,140 @@ def test_a_batch_beyond_the_hosts_memory_is_refused_by_the_memory_estimate(tmp_p
     line = train_error(tmp_path, "data.batch_size=100000000000")
     assert line.startswith("error: memory: the estimated peak is ") and "data.batch_size below 100000000000" \
         in line, line
+
+
+# ------------------------------------------------------------------------------------------------
+# Container paths (cluster=slurm container=apptainer): every path the job mounts, refused before
+# anything is queued. Kept apart from the overrides above: this goes as far as the executor's
+# script (``submit.make_executor``, where the mounts are decided), in a dry run.
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A submitting directory, an image, and paths that cannot be mounted as they are named:
+    directories whose names hold the mount lists' separators, and symlinks that lead to them
+    from inside the submitting directory (so only following the link finds the trouble)."""
+    from jobs.demo_data import ensure_demo_dataset
+    from orchestrator.config import DataConfig
+
+    root = tmp_path_factory.mktemp("box")
+    code, outside = root / "code", root / "outside"
+    for d in (code, root / "src"):
+        d.mkdir(parents=True)
+    train, _ = ensure_demo_dataset(DataConfig(cache_dir=str(root / "cache")))
+    for name in ("a,b", "a:b", "clean"):  # a dataset in each, so data.path is refused for its name only
+        shutil.copytree(train, outside / name)
+    (root / "torch.sif").write_bytes(b"sif")
+    (code / "to-comma").symlink_to(outside / "a,b")
+    (code / "to-colon").symlink_to(outside / "a:b")
+    (root / "dangling.sif").symlink_to(root / "gone.sif")
+    return {"root": str(root), "code": str(code), "out": str(outside), "image": str(root / "torch.sif"),
+            "src": str(root / "src"), "run": str(code / "run")}
+
+
+def container_error(box: dict[str, str], *overrides: str, run_dir: str | None = None) -> str:
+    """The line ``python -m jobs.train cluster=slurm container=apptainer cluster.dry_run=true
+    OVERRIDES`` prints before it would queue anything (run from the box's submitting directory)."""
+    from jobs import train
+    from orchestrator.launch import submit
+
+    run = Path(run_dir if run_dir is not None else box["run"])
+    defaults = ["cluster=slurm", "container=apptainer", "cluster.dry_run=true",
+                f"cluster.container.image={box['image']}", f"data.cache_dir={box['root']}/cache",
+                "memory.estimate=off"]
+    try:
+        with initialize_config_module("conf", version_base="1.3"):
+            composed = compose("train", overrides=[*defaults, *overrides])
+        cfg = train.load_config(composed)
+        paths, _ = train.check_before_submit(cfg, run)
+        submit.make_executor(cfg.cluster, cfg.parallelism, run / "submitit", None,
+                             train.container_paths(cfg, paths, run))
+    except HydraException as e:
+        return f"error: {entry.describe(e)}"
+    except ConfigError as e:
+        return f"error: {one_line(e)}"
+    pytest.fail(f"{overrides} (run directory {run}) was accepted")
+
+
+SPLIT = "reads as separators"  # the mount lists' SRC:DST,... would split the path on the node
+# id -> (override, what the error says)
+CONTAINER_PATHS = {
+    **{f"{key}-{kind}": (f"{key}='{{out}}/{name}'", SPLIT) for key in ("data.path", "checkpoint.dir")
+       for kind, name in (("comma", "a,b"), ("colon", "a:b"), ("dots", "clean/../a,b"))},
+    **{f"{key}-symlink-{kind}": (f"{key}={{code}}/to-{kind}", f"leads through a symlink: {{out}}/a{sep}b")
+       for key in ("data.path", "checkpoint.dir") for kind, sep in (("comma", ","), ("colon", ":"))},
+    "data.path-empty": ("data.path=", "no dataset there"),
+    "checkpoint.dir-empty": ("checkpoint.dir=", "an empty path names nothing"),
+    "checkpoint.resume_from-empty": ("checkpoint.resume_from=", "an empty path names nothing"),
+    "mounts-comma": ("cluster.container.mounts=['{src},{out}/clean:/x']", "separates mounts"),
+    "mounts-colon": ("cluster.container.mounts=[{src}:/x:/y:ro]", "a mount is SRC, SRC:DST or SRC:DST:ro"),
+    "mounts-empty": ("cluster.container.mounts=['']", "a mount is SRC, SRC:DST or SRC:DST:ro"),
+    "mounts-missing-source": ("cluster.container.mounts=[{root}/gone:/x]", "its source {root}/gone does not"),
+    "mounts-relative-target": ("cluster.container.mounts=[{src}:x]", "is not an absolute path"),
+    "mounts-target-in-run": ("cluster.container.mounts=[{src}:{run}/submitit]",
+                             "its target {run}/submitit lies inside {run} (hydra.run.dir)"),
+    "mounts-target-in-run-dots": ("cluster.container.mounts=[{src}:{code}/x/../run/checkpoints]",
+                                  "its target {run}/checkpoints lies inside {run} (hydra.run.dir)"),
+    "mounts-target-over-run-dots": ("cluster.container.mounts=[{src}:{out}/clean/../../code]",
+                                    "its target {code} would hide {run}"),
+    "image-empty": ("cluster.container.image=", "none is named"),
+    "image-missing-dots": ("cluster.container.image={root}/x/../gone.sif", "no such file"),
+    "image-dangling-symlink": ("cluster.container.image={root}/dangling.sif", "no such file"),
+    "image-directory": ("cluster.container.image={root}/src.sif", "no such file"),
+}
+RUN_DIRS = {"run-comma": "{out}/a,b/run", "run-colon": "{out}/a:b/run", "run-dots": "{out}/clean/../a,b/run",
+            "run-symlink-comma": "{code}/to-comma/run"}
+
+
+@pytest.mark.parametrize(("override", "said"), CONTAINER_PATHS.values(), ids=CONTAINER_PATHS.keys())
+def test_a_container_path_that_cannot_be_mounted_is_one_error_line(
+        box: dict[str, str], override: str, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(box["code"])
+    extra = ["data.num_classes=10"] if override.startswith("data.path=") else []  # the demo data's
+    line = container_error(box, fill(override, box), *extra)
+    assert len(line.splitlines()) == 1 and line.startswith("error: ") and "Traceback" not in line, line
+    key = override.split("=", 1)[0]
+    assert key in line and fill(said, box) in line, line
+
+
+@pytest.mark.parametrize("run_dir", RUN_DIRS.values(), ids=RUN_DIRS.keys())
+def test_a_run_directory_that_cannot_be_mounted_is_one_error_line(box: dict[str, str], run_dir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(box["code"])
+    line = container_error(box, run_dir=fill(run_dir, box))
+    assert len(line.splitlines()) == 1 and line.startswith("error: hydra.run.dir=") and SPLIT in line, line
+
+
+def test_the_container_paths_sweep_passes_what_can_be_mounted(box: dict[str, str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep above cannot pass by refusing everything: the same paths without a separator, a
+    '..' that resolves to one, a symlink out of every mount, and a mount beside the run directory
+    go through."""
+    monkeypatch.chdir(box["code"])
+    (Path(box["code"]) / "to-clean").symlink_to(Path(box["out"]) / "clean")
+    with pytest.raises(pytest.fail.Exception, match="was accepted"):
+        container_error(box, f"data.path={box['code']}/to-clean", "data.num_classes=10",
+                        f"checkpoint.dir='{box['out']}/a,b/../clean/ckpt'",
+                        f"cluster.container.mounts=[{box['src']}:"
+                        f"{box['run']}/../extra/../beside]", run_dir=f"{box['out']}/clean/run")
+
+
+def test_switchyard_run_refuses_a_working_directory_it_cannot_mount_in_one_line(
+        box: dict[str, str], tmp_path: Path) -> None:
+    """The command's working directory (``cwd``) is mounted as jobs.train's paths are."""
+    line = assert_one_error_line(*call_cli([
+        "run", "cluster=slurm", "container=apptainer", f"cluster.container.image={box['image']}",
+        "cluster.dry_run=true", "cluster.snapshot.enabled=false", f"hydra.run.dir={tmp_path / 'run'}",
+        f"cwd='{box['out']}/a,b'", "--", "true"]))
+    assert f"cwd='{box['out']}/a,b' is invalid: it holds ','" in line and SPLIT in line, line
+
+
+def test_jobs_train_itself_refuses_a_container_path_with_exit_2_and_one_line(box: dict[str, str]) -> None:
+    proc = run_train("cluster=slurm", "container=apptainer", f"cluster.container.image={box['image']}",
+                     "cluster.dry_run=true", "memory.estimate=off", f"checkpoint.dir='{box['out']}/a:b'",
+                     f"data.cache_dir={box['root']}/cache", f"hydra.run.dir={box['run']}",
+                     cwd=Path(box["code"]))
+    line = assert_one_error_line(proc.returncode, proc.stdout.replace(f"run_dir: {box['run']}\n", ""),
+                                 proc.stderr)
+    assert line.startswith(f"error: checkpoint.dir='{box['out']}/a:b' is invalid: it holds ':'"), line
+    assert not (Path(box["run"]) / "submitit").exists() or not any((Path(box["run"]) / "submitit").iterdir())

@@ -3,8 +3,8 @@
 pyxis and Apptainer cannot be installed here, and podman cannot start a container in this
 sandbox (docs/containers.md says why): the job runs through ``data/apptainer-standin/apptainer``
 on the job's PATH, which, like apptainer, shows the command nothing but the image and the binds.
-So this checks what a cluster would: every path the job needs is mounted without being listed,
-and a path not mounted is not there."""
+So this checks what a cluster would: every path the job needs is mounted without being listed
+(where a symlink leads included), and a path not mounted is not there."""
 
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ print(f"probe rank {os.environ['SLURM_PROCID']} on {os.environ['SLURMD_NODENAME'
 
 def test_a_two_node_job_runs_in_the_container_and_sees_only_its_mounts(
         tmp_path: Path, queued: list[str]) -> None:
-    work = tmp_path / "work"
+    work, lib = tmp_path / "work", tmp_path / "shared-lib"
     work.mkdir()
-    (work / "probe.py").write_text(PROBE)
+    lib.mkdir()
+    (lib / "probe.py").write_text(PROBE)
+    (work / "lib").symlink_to(lib)  # the mount of work/ holds the link alone: the script is mounted too
     hidden = tmp_path / "not-mounted.txt"  # beside the submitting directory, on every node's disk
     hidden.write_text("the host has it")
     image = tmp_path / "image.sif"  # the stand-in's image: the host paths its root holds
@@ -48,7 +50,7 @@ def test_a_two_node_job_runs_in_the_container_and_sees_only_its_mounts(
             [sys.executable, "-m", "orchestrator.cli", "run", "cluster=slurm", "parallelism.nodes=2",
              "parallelism.procs_per_node=1", "container=apptainer", f"cluster.container.image={image}",
              "telemetry.enabled=false", f"hydra.run.dir={run_dir}",
-             "--", "python", "probe.py", str(hidden), str(checkout / "orchestrator")],
+             "--", "python", "lib/probe.py", str(hidden), str(checkout / "orchestrator")],
             cwd=work, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as e:  # the job it queued is still cancelled at the end
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -60,6 +62,7 @@ def test_a_two_node_job_runs_in_the_container_and_sees_only_its_mounts(
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     binds = srun.split(" --bind ", 1)[1].split(" ", 1)[0].split(",")
     assert f"{work}:{work}" in binds and not any(str(hidden) in b for b in binds), srun  # run_dir is inside
+    assert f"{lib}/probe.py:{lib}/probe.py" in binds, srun  # where work/lib/probe.py leads
     assert f" --pwd {work} {image} python -u -m orchestrator.launch.job_entry " in srun  # Switchyard's entry
     logs = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.out")))
     probes = sorted(re.findall(r"probe rank (\d) on (n\d): (.*)", logs))

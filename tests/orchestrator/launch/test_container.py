@@ -9,7 +9,9 @@ import dataclasses
 import hashlib
 import os
 import shlex
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +33,8 @@ register_configs()
 
 def srun_line(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
               paths: list[tuple[str, str | Path | None]] = ()) -> list[str]:  # type: ignore[assignment]
-    executor = submit.make_executor(cluster, parallelism, run_dir / "submitit", None, paths)
+    needs = [container.Need(key, path) for key, path in paths]
+    executor = submit.make_executor(cluster, parallelism, run_dir / "submitit", None, needs)
     [line] = [line for line in submit.sbatch_script(executor).splitlines() if line.startswith("srun ")]
     return shlex.split(line)
 
@@ -129,22 +132,28 @@ def test_every_path_the_train_config_names_is_mounted(tmp_path: Path,
             f"data.cache_dir={places['cache']}", f"checkpoint.dir={places['ckpt']}/new"]))
     paths = trainer.DataPaths(train=str(places["train"]), eval=str(places["eval"]))  # data.path, eval_path
     wanted = container_paths(cfg, paths, tmp_path / "run")
-    assert (places["ckpt"] / "new").is_dir()  # made, so it can be mounted
-    assert {key for key, _ in wanted} >= {"data.path", "data.eval_path", "data.cache_dir", "checkpoint.dir"}
+    # the demo dataset (data.path null): its cache too
+    assert {n.why for n in wanted if n.path} == {"data.path", "data.eval_path", "data.cache_dir",
+                                                 "checkpoint.dir"}
+    assert [n.why for n in wanted if n.made] == ["checkpoint.dir"]  # made at submission, to be mounted
     monkeypatch.chdir(places["elsewhere"])  # the cwd no longer covers them: each is its own mount
-    mounts = container.needed(wanted)
-    assert {m.target for m in mounts} == {str(places[k]) for k in ("train", "eval", "cache")} | {
-        str(places["ckpt"] / "new")}
+    box = cfg.cluster.container
+    assert {m.target for m in container.mounts_for(box, wanted, dry_run=True)} == {
+        str(places[k]) for k in ("train", "eval", "cache")} | {str(places["ckpt"] / "new")}
+    assert not (places["ckpt"] / "new").exists()  # a dry run makes nothing
+    container.mounts_for(box, wanted)
+    assert (places["ckpt"] / "new").is_dir()  # a submission makes it, so it is mounted at its own path
     # not there yet: its nearest existing parent, never the root (that would replace the image's)
     deeper = places["train"] / "a" / "b"
-    assert [m.target for m in container.needed([("data.path", deeper)])] == [str(places["train"])]
-    assert container.needed([("checkpoint.resume_from", "/no-such-dir-c38/step-4.pt")]) == []
+    assert [m.target for m in container.needed([container.Need("data.path", deeper)])] == [
+        str(places["train"])]
+    assert container.needed([container.Need("checkpoint.resume_from", "/no-such-dir-c38/step-4.pt")]) == []
 
 
-def refused(box: ContainerConfig, derived: list[container.Mount] = (), srun_help: str = "") -> str:  # type: ignore[assignment]
+def refused(box: ContainerConfig, needs: list[container.Need] = (), srun_help: str = "") -> str:  # type: ignore[assignment]
     with pytest.raises(ConfigError) as e:
         container.check(box, srun_help=srun_help)
-        container.all_mounts(box, derived)
+        container.mounts_for(box, needs, dry_run=True)
     return str(e.value)
 
 
@@ -157,7 +166,7 @@ def test_bad_container_values_are_refused_before_submission(tmp_path: Path) -> N
         ContainerConfig(runtime="pyxis", image="ubuntu:24.04"), srun_help="Usage: srun [OPTIONS...]")
     assert "its source /nonexistent does not exist" in refused(
         ContainerConfig(runtime="apptainer", image=str(image), mounts=["/nonexistent:/x"]))
-    data = container.Mount(tmp_path / "data", str(tmp_path / "data"), why="data.path")
+    data = container.Need("data.path", tmp_path / "data")
     said = refused(ContainerConfig(runtime="apptainer", image=str(image), mounts=[f"{image}:{tmp_path}"]),
                    [data])
     assert f"its target {tmp_path} would hide {tmp_path}/data, which the job needs (data.path)" in said
@@ -296,10 +305,175 @@ def test_apptainer_passes_variables_as_apptainerenv_whole_commas_and_spaces_incl
 def test_a_missing_path_is_never_mounted_through_a_top_level_directory(tmp_path: Path) -> None:
     """Climbing to the nearest existing parent of /opt/ckpt/run bound the host's /opt over the
     image's (where images keep their Python): such a path stays missing, for the job to report."""
-    assert container.needed([("checkpoint.dir", "/opt/switchyard-missing/run")]) == []
-    assert container.needed([("checkpoint.dir", "/switchyard-missing/run")]) == []
+    assert container.needed([container.Need("checkpoint.resume_from", "/opt/switchyard-missing/run")]) == []
+    assert container.needed([container.Need("checkpoint.resume_from", "/switchyard-missing/run")]) == []
     deep = tmp_path / "a" / "b"
-    assert container.needed([("checkpoint.dir", deep)]) == [container.Mount(tmp_path, str(tmp_path),
-                                                                            why="checkpoint.dir")]
+    assert container.needed([container.Need("checkpoint.resume_from", deep)]) == [
+        container.Mount(tmp_path, str(tmp_path), why="checkpoint.resume_from")]
     usr = container.Mount(Path("/usr"), "/usr", why="data.path")
-    assert container.needed([("data.path", "/usr")]) == [usr]  # named itself: mounted
+    assert container.needed([container.Need("data.path", "/usr")]) == [usr]  # named itself: mounted
+
+
+# ------------------------------------------------------------------------------------------------
+# Mounts refused or followed before submission, and the batch script's own check (issue 53, item 10)
+
+
+def apptainer(tmp_path: Path, mounts: list[str] = ()) -> ContainerConfig:  # type: ignore[assignment]
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"sif")
+    return ContainerConfig(runtime="apptainer", image=str(image), mounts=list(mounts))
+
+
+def binds(cluster: ClusterConfig, run_dir: Path, paths: list[tuple[str, str | Path | None]]) -> list[str]:
+    argv = srun_line(cluster, ParallelismConfig(), run_dir, paths)
+    return argv[argv.index("--bind") + 1].split(",")
+
+
+@pytest.mark.parametrize("separator", [",", ":"])
+@pytest.mark.parametrize("key", ["data.path", "checkpoint.dir", "hydra.run.dir"])
+def test_a_path_that_the_mount_list_would_split_is_refused_naming_its_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, separator: str) -> None:
+    """``--bind``/``--container-mounts`` are SRC:DST[:ro],...: a ',' or ':' in a mounted path split
+    it, and the job failed on the node. One inside a mount that has neither is no problem."""
+    (tmp_path / "code").mkdir()
+    monkeypatch.chdir(tmp_path / "code")  # the submitting directory covers none of them
+    bad = tmp_path / f"a{separator}b"
+    run_dir = tmp_path / "run"
+    paths: list[tuple[str, str | Path | None]] = [("data.path", tmp_path / "data"),
+                                                  ("checkpoint.dir", tmp_path / "ckpt")]
+    if key == "hydra.run.dir":
+        run_dir = bad
+    else:
+        paths = [(k, bad if k == key else p) for k, p in paths]
+    for path in (run_dir, *(p for _, p in paths)):
+        Path(path).mkdir()
+    with pytest.raises(ConfigError) as e:
+        binds(slurm(apptainer(tmp_path)), run_dir, paths)
+    assert str(e.value) == (
+        f"{key}={str(bad)!r} is invalid: it holds {separator!r}, which the container's mount list "
+        f"(apptainer --bind, pyxis --container-mounts: SRC:DST,...) reads as separators, so the job "
+        f"would fail on the node (try {key}=<a path without ',' or ':'>, or rename the directory "
+        f"that holds them)")
+    monkeypatch.chdir(tmp_path)  # now one mount holds them all, and its path has neither
+    assert binds(slurm(apptainer(tmp_path)), run_dir, paths) == [f"{tmp_path}:{tmp_path}"]
+
+
+@pytest.mark.parametrize("target", ["{run}/submitit", "{run}/checkpoints", "{run}/x/../submitit"])
+def test_a_mount_target_inside_the_run_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             target: str) -> None:
+    """The job's logs and results went into the user's mount: the submitting side never saw them,
+    waited 60 s and failed. ``..`` is resolved first, as the runtime resolves it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    run = tmp_path / "run"
+    spec = f"{tmp_path}/src:{target.format(run=run)}"
+    with pytest.raises(ConfigError) as e:
+        binds(slurm(apptainer(tmp_path, [spec])), run, [])
+    inside = os.path.normpath(target.format(run=run))
+    assert str(e.value) == (
+        f"cluster.container.mounts[0]={spec!r} is invalid: its target {inside} lies inside {run} "
+        f"(hydra.run.dir), which the job needs whole: what the job writes there would go into "
+        f"{tmp_path}/src instead, unseen by the submitting side and the checks (try "
+        f"cluster.container.mounts[0]={tmp_path}/src:<a target outside {run}>)")
+
+
+def test_a_mount_target_with_dots_is_resolved_before_it_is_checked(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SRC:/x/../data`` hides ``/data`` as ``SRC:/data`` does, which was refused: now both are."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    for target in (f"{data}", f"{tmp_path}/elsewhere/../data", f"{tmp_path}/./data/"):
+        spec = f"{tmp_path}/src:{target}"
+        with pytest.raises(ConfigError, match=rf"its target {data} would hide {data}, which the job "
+                                              r"needs \(data.path\)"):
+            binds(slurm(apptainer(tmp_path, [spec])), tmp_path / "run", [("data.path", data)])
+    # a target beside them, reached through '..', is mounted at the path the runtime uses
+    spec = f"{tmp_path}/src:/opt/x/../extra:ro"
+    assert binds(slurm(apptainer(tmp_path, [spec])), tmp_path / "run", [("data.path", data)])[-1] == (
+        f"{tmp_path}/src:/opt/extra:ro")
+
+
+def test_a_symlinked_data_directory_is_mounted_where_it_leads(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data -> /scratch/ds`` under the submitting directory: the mount of that directory held the
+    link, not the dataset, and the rank found no data. Where a link leads is mounted too (a link
+    that stays inside the mount needs nothing); a destination the mount list would split is refused."""
+    code, outside = tmp_path / "code", tmp_path.parent / f"{tmp_path.name}-scratch"
+    (outside / "ds").mkdir(parents=True)
+    (code / "inner").mkdir(parents=True)
+    (code / "data").symlink_to(outside / "ds")
+    (code / "same").symlink_to("inner")  # relative, inside the mount
+    monkeypatch.chdir(code)
+    box = slurm(apptainer(tmp_path))
+    assert sorted(binds(box, code / "run", [("data.path", code / "data" / "train"),
+                                            ("data.eval_path", code / "same")])) == sorted(
+        [f"{code}:{code}", f"{outside}/ds:{outside}/ds"])
+    (outside / "a,b").mkdir()
+    (code / "split").symlink_to(outside / "a,b")
+    with pytest.raises(ConfigError) as e:
+        binds(box, code / "run", [("data.path", code / "split")])
+    assert str(e.value).startswith(
+        f"data.path='{code}/split' is invalid: its mount {outside}/a,b (where it leads through a "
+        f"symlink: {outside}/a,b) holds ',', which the container's mount list")
+
+
+def test_a_dry_run_makes_no_checkpoint_directory_and_shows_the_mount_the_job_would_get(
+        tmp_path: Path) -> None:
+    """It made checkpoint.dir on the submitting machine (even /scratchx/ckpt under /)."""
+    image = tmp_path / "torch.sif"
+    image.write_bytes(b"sif")
+    scratch = tmp_path.parent / f"{tmp_path.name}-scratchx"  # beside the submitting directory
+    ckpt = scratch / "ckpt"
+    try:
+        proc = run_train_dry(tmp_path, f"cluster.container.image={image}", f"checkpoint.dir={ckpt}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not scratch.exists()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    srun = shlex.split(next(line for line in proc.stdout.splitlines() if line.startswith("srun ")))
+    assert f"{ckpt}:{ckpt}" in srun[srun.index("--bind") + 1].split(",")  # as the submission would
+
+
+def run_train_dry(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    from train_helpers import CHEAP, run_train
+
+    return run_train("cluster=slurm", "cluster.dry_run=true", "container=apptainer", *overrides, *CHEAP,
+                     f"cluster.snapshot.dir={tmp_path / 'store'}", run_dir=tmp_path / "run",
+                     cache_dir=tmp_path / "cache", cwd=tmp_path)
+
+
+def test_the_batch_script_checks_the_snapshot_without_the_submitting_machines_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script ran ``.venv/bin/python -I -c ...`` on the batch node, outside the image: where
+    that Python is not on the node (the usual case with a container) every job failed there. The
+    script's lines before srun run here with this Python's directories hidden (an empty tmpfs over
+    each, in a mount namespace of their own) and nothing but /usr/bin:/bin on PATH."""
+    from orchestrator.config import SnapshotConfig
+    from orchestrator.launch import snapshot
+
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount)")
+    monkeypatch.chdir(tmp_path)
+    code = snapshot.take(SnapshotConfig(dir=str(tmp_path / "store")))
+    cluster = slurm(apptainer(tmp_path))
+    executor = submit.make_executor(cluster, ParallelismConfig(), tmp_path / "run" / "submitit", code)
+    script = submit.sbatch_script(executor)
+    before_srun = script[:script.index("\nsrun ")] + "\necho the ranks would start\n"
+
+    def batch_node(text: str) -> subprocess.CompletedProcess[str]:
+        hidden = [os.path.realpath(Path(sys.executable).parent), os.path.realpath(sys.base_prefix)]
+        hide = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(d)}" for d in hidden)
+        gone = f"test ! -e {shlex.quote(sys.executable)} || exit 99"  # the hiding itself is checked
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               f"{hide} && {gone} && exec env -i PATH=/usr/bin:/bin bash -c "
+                               f"{shlex.quote(text)}"], capture_output=True, text=True, timeout=60)
+
+    whole = batch_node(before_srun)
+    assert whole.returncode == 0 and whole.stdout == "the ranks would start\n", whole.stderr
+    (code.path / "orchestrator" / "cli.py").unlink()
+    broken = batch_node(before_srun)
+    assert broken.returncode == 1 and broken.stdout == ""
+    assert broken.stderr.startswith(f"error: the code snapshot {code.path} of this job is incomplete "
+                                    f"(orchestrator/cli.py gone): it was deleted after")

@@ -169,7 +169,8 @@ def test_resume_change_names_the_files_and_torch(tmp_path: Path, on_path: Path) 
 def test_setup_lines_put_the_snapshot_first(tmp_path: Path) -> None:
     snap = snapshot.take(config(tmp_path))
     lines = snapshot.setup_lines(snap)
-    assert lines[0].endswith(f" {snap.path} || exit 1")  # the check: the snapshot is whole
+    # the check that the snapshot is whole, in the batch script's own shell
+    assert lines[0].startswith(f"(\nroot={snap.path}\n") and lines[0].endswith("\n) || exit 1")
     assert lines[1].startswith(f"export PYTHONPATH={snap.path}")
     assert "export PYTHONSAFEPATH=1" in lines
 
