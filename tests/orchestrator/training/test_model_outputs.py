@@ -210,8 +210,8 @@ def test_a_pretrained_factory_is_estimated_as_the_same_model_built_from_its_conf
         vocab_size=50, n_positions=8, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
         eos_token_id=0)).save_pretrained(tmp_path / "pretrained")
     reports = {}
-    for name, model in (("pretrained", {"_target_": "hf_causal_lm.pretrained", "path": str(tmp_path / "pretrained")}),
-                        ("new", {"_target_": "hf_causal_lm.gpt2"})):
+    saved = {"_target_": "hf_causal_lm.pretrained", "path": str(tmp_path / "pretrained")}
+    for name, model in (("pretrained", saved), ("new", {"_target_": "hf_causal_lm.gpt2"})):
         cfg = dataclasses.replace(config("causal_lm", data["causal_lm"], model),  # nothing remembered
                                   parallelism=ParallelismConfig(strategy=strategy),
                                   memory=MemoryConfig(estimate_cache=None))
@@ -222,5 +222,7 @@ def test_a_pretrained_factory_is_estimated_as_the_same_model_built_from_its_conf
     found, new = reports["pretrained"].estimate, reports["new"].estimate
     assert found is not None, reports["pretrained"].line()
     assert new is not None
-    assert (found.parameters, found.gradients, found.optimizer) == (new.parameters, new.gradients, new.optimizer)
-    assert reports["pretrained"].line().startswith("memory: ") and "not estimated" not in reports["pretrained"].line()
+    assert (found.parameters, found.gradients, found.optimizer) == \
+        (new.parameters, new.gradients, new.optimizer)
+    line = reports["pretrained"].line()
+    assert line.startswith("memory: ") and "not estimated" not in line, line
