@@ -33,6 +33,10 @@ def invalid(key: str, value: object, why: str, fix: str) -> ConfigError:
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: torch turns larger numbers into inf
+# The largest time limit SLURM stores as given (slurm 22.05, measured with sbatch --time=N and
+# scontrol show job): it counts seconds in 32 bits, so 35,791,394 minutes and above came back as
+# 2,957,761 days, 2,147,483,647 minutes as UNLIMITED and 99,999,999,999 as 2,981,813 days.
+SLURM_MAX_TIME_MIN = (2**31 - 1) // 60 - 1
 YEAR_S = 365 * 24 * 3600.0  # no wait or timeout of a job is longer (threading's own limit is ~292 years)
 
 
@@ -346,6 +350,9 @@ class ClusterConfig:
                           "cluster.rank_start=auto")
         for key in ("job_name", "partition", "account", "qos", "exclude"):
             _check_sbatch_value(f"cluster.{key}", getattr(self, key), _SBATCH_SAFE)
+        if not self.job_name:  # sbatch --job-name= names the job after its script: every job "sbatch"
+            raise invalid("cluster.job_name", self.job_name, "a job needs a name, which squeue, sacct "
+                          "and --dependency=singleton show and match", "cluster.job_name=switchyard")
         _check_sbatch_value("cluster.constraint", self.constraint, _CONSTRAINT_SAFE)
         _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
         for i, arg in enumerate(self.srun_args):
@@ -370,6 +377,11 @@ class ClusterConfig:
         for key in ("timeout_min", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")
+        if self.timeout_min > SLURM_MAX_TIME_MIN:
+            raise invalid("cluster.timeout_min", self.timeout_min, f"SLURM keeps a time limit of at most "
+                          f"{SLURM_MAX_TIME_MIN} minutes (68 years, in seconds of 32 bits): a larger one "
+                          f"wraps around to another limit, or to none", "cluster.timeout_min=1440, or at "
+                          "most the partition's MaxTime: scontrol show partition")
         self._check_signal_delay()
         if self.max_requeues < 0:
             raise invalid("cluster.max_requeues", self.max_requeues, "must be >= 0",
