@@ -15,7 +15,7 @@ import math
 import re
 import struct
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -684,8 +684,9 @@ POLICIES = ("pad", "drop")
 @dataclass
 class ModelCompileConfig:
     """``model.compile*``: torch.compile per block (training/compiling.py). Every built-in model
-    schema holds these keys; ``model=custom`` takes them too (``+model.compile=true``). They are
-    never passed to the model's constructor."""
+    schema holds these keys; ``model=custom`` and a user's own model config take them too
+    (``model.compile=true``: ``any_model_compile``). They are never passed to the model's
+    constructor."""
 
     compile: bool = False  # torch.compile each fsdp unit (block), else the whole model, in place
     compile_fullgraph: bool = True  # a graph break inside a block is an error, not a silent split
@@ -700,6 +701,15 @@ class ModelCompileConfig:
         check_compile(self)
 
 
+def any_model_compile(overrides: Sequence[str]) -> list[str]:
+    """``model.compile*=V`` as ``++model.compile*=V`` (Hydra's "set, or add if absent"): every
+    model takes these keys, but only the built-ins' schemas declare them, and Hydra refused
+    ``model.compile=true`` under ``model=custom`` or a user's own model config ("Key 'compile' is
+    not in struct"), where only ``+model.compile=true`` worked. Other overrides as given."""
+    keys = {f"model.{f.name}" for f in dataclasses.fields(ModelCompileConfig)}
+    return [f"++{o}" if o.partition("=")[0] in keys else o for o in overrides]
+
+
 def check_compile(spec: Any) -> None:
     """``model.compile*`` of a schema or of ``model=custom``'s mapping."""
     get = spec.get if isinstance(spec, dict) else lambda key, default: getattr(spec, key, default)
@@ -712,6 +722,20 @@ def check_compile(spec: Any) -> None:
                       "model.compile_recompile_limit=8")
 
 
+def check_sizes(spec: Any, widths: tuple[str, ...]) -> None:
+    """A built-in model's sizes: each width >= 1 (``model.hidden_dim=0`` built a zero-width model
+    that trained to exit 0, its output the head's bias alone), ``num_layers`` >= 0 (0: no blocks,
+    the embedding and the head)."""
+    for key in widths:
+        if getattr(spec, key) < 1:
+            default = getattr(type(spec)(), key)
+            raise invalid(f"model.{key}", getattr(spec, key), "a model's widths and head counts must be >= 1",
+                          f"model.{key}={default}")
+    if spec.num_layers < 0:
+        raise invalid("model.num_layers", spec.num_layers, "must be >= 0 (0: no blocks)",
+                      f"model.num_layers={type(spec)().num_layers}")
+
+
 @dataclass
 class MlpConfig(ModelCompileConfig):
     """Row-pooling MLP: embeds each row, masked mean over rows, then an MLP head."""
@@ -719,6 +743,10 @@ class MlpConfig(ModelCompileConfig):
     _target_: str = "jobs.models.RowPoolingMLP"
     hidden_dim: int = 64
     num_layers: int = 2
+
+    def __post_init__(self) -> None:
+        check_compile(self)
+        check_sizes(self, ("hidden_dim",))
 
 
 @dataclass
@@ -735,6 +763,7 @@ class GptConfig(ModelCompileConfig):
     def __post_init__(self) -> None:
         check_floats(self, "model.")
         check_compile(self)
+        check_sizes(self, ("d_model", "num_heads", "ff_mult"))
 
 
 @dataclass
@@ -774,6 +803,7 @@ class TransformerConfig(ModelCompileConfig):
     def __post_init__(self) -> None:
         check_floats(self, "model.")
         check_compile(self)
+        check_sizes(self, ("d_model", "num_heads", "ff_dim"))
 
 
 @dataclass

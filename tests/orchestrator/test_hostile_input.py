@@ -225,6 +225,8 @@ TRAIN_OVERRIDES = {
     **{f"data.{key}=1e11": f"data.{key}=100000000000"
        for key in ("demo_num_samples", "demo_features", "demo_classes", "demo_max_rows")},
     "data.batch_size=1e11": "data.batch_size=100000000000",
+    "cluster.timeout_min=1e11": "cluster.timeout_min=99999999999", "empty-job-name": "cluster.job_name=",
+    "model.hidden_dim=0": "model.hidden_dim=0",
 }
 
 
