@@ -12,6 +12,8 @@ classes its ``_no_split_modules`` names).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
@@ -72,13 +74,15 @@ def hugging_face_checkpointing(models: list[nn.Module]) -> list[str]:
             refused.append(type(model).__name__)
             continue
         kwargs = {"use_reentrant": False}
-        if callable(getattr(model, "activation_checkpointing_enable", None)):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        enable: Any = getattr(model, "activation_checkpointing_enable", None)
+        if callable(enable):  # transformers 5; 4's name is deprecated there (a FutureWarning)
+            enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):  # a training step reads no cache, and transformers
-            config.use_cache = False  # warns on every rank that checkpointing turns it off
+            old: Any = model.gradient_checkpointing_enable
+            old(gradient_checkpointing_kwargs=kwargs)
+        config: Any = getattr(model, "config", None)
+        if config is not None and getattr(config, "use_cache", False):  # a training step reads no
+            config.use_cache = False  # cache, and transformers warns on every rank that it is off
     return refused
 
 

@@ -305,7 +305,8 @@ def fake_weights(model: nn.Module, mode: FakeTensorMode) -> None:
 
     made: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+        both: tuple[tuple[dict[str, Any], bool], ...] = ((module._parameters, True), (module._buffers, False))
+        for slots, is_param in both:
             for name, tensor in slots.items():
                 if tensor is None or isinstance(tensor, FakeTensor):
                     continue

@@ -48,8 +48,9 @@ def checkpoint_activations(model: nn.Module, target: str | None) -> None:
     """``memory.activation_checkpointing=true``, per block (``blocks``): the model's own
     ``enable_activation_checkpointing()``, else that of each Hugging Face model in it (it was
     refused: HF models have no method of that name, but one of their own)."""
-    if callable(getattr(model, "enable_activation_checkpointing", None)):
-        model.enable_activation_checkpointing()
+    own: Any = getattr(model, "enable_activation_checkpointing", None)
+    if callable(own):
+        own()
         return
     found = blocks.hugging_face_models(model)
     if not found:
