@@ -726,14 +726,14 @@ def check_sizes(spec: Any, widths: tuple[str, ...]) -> None:
     """A built-in model's sizes: each width >= 1 (``model.hidden_dim=0`` built a zero-width model
     that trained to exit 0, its output the head's bias alone), ``num_layers`` >= 0 (0: no blocks,
     the embedding and the head)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
     for key in widths:
         if getattr(spec, key) < 1:
-            default = getattr(type(spec)(), key)
             raise invalid(f"model.{key}", getattr(spec, key), "a model's widths and head counts must be >= 1",
-                          f"model.{key}={default}")
+                          f"model.{key}={defaults[key]}")
     if spec.num_layers < 0:
         raise invalid("model.num_layers", spec.num_layers, "must be >= 0 (0: no blocks)",
-                      f"model.num_layers={type(spec)().num_layers}")
+                      f"model.num_layers={defaults['num_layers']}")
 
 
 @dataclass
