@@ -42,6 +42,7 @@ from orchestrator.config import (
     AppGroups,
     ConfigError,
     TrainConfig,
+    any_model_compile,
     omegaconf_error,
     register_app_check,
     register_configs,
@@ -285,5 +286,6 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if dist_env.attached_launch() is None and not dist_env.inside_launched_job():
         fork_start.fork_template()  # imported, nothing else done: a local job's controller to be
+    sys.argv = [sys.argv[0], *any_model_compile(sys.argv[1:])]  # model.compile=true for any model
     hydra_app(main, sys.argv)
     exit_now()  # done and printed: skip torch's second of interpreter finalisation

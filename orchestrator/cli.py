@@ -66,6 +66,7 @@ docs/your-code.md: "Your own training script"."""
 def _run(argv: Sequence[str]) -> int:
     """``switchyard run``: everything before ``--`` goes to Hydra, everything after is the command."""
     from orchestrator.scripts import job
+    from orchestrator.scripts.schema import refuse_unparsable
     from orchestrator.terminal import refuse_control
 
     if refused := refuse_control(["run", *argv]):
@@ -80,6 +81,9 @@ def _run(argv: Sequence[str]) -> int:
     split = list(argv).index("--")
     overrides, command = list(argv[:split]), list(argv[split + 1:])
     overrides = ["cluster.dry_run=true" if o == "--dry-run" else o for o in overrides]
+    if refused := refuse_unparsable(command):
+        print(f"switchyard run: error: {one_line(refused)}", file=sys.stderr)
+        return 2
     return job.main(overrides, command)
 
 

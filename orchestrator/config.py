@@ -15,7 +15,7 @@ import math
 import re
 import struct
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,10 @@ def invalid(key: str, value: object, why: str, fix: str) -> ConfigError:
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: torch turns larger numbers into inf
+# The largest time limit SLURM stores as given (slurm 22.05, measured with sbatch --time=N and
+# scontrol show job): it counts seconds in 32 bits, so 35,791,394 minutes and above came back as
+# 2,957,761 days, 2,147,483,647 minutes as UNLIMITED and 99,999,999,999 as 2,981,813 days.
+SLURM_MAX_TIME_MIN = (2**31 - 1) // 60 - 1
 YEAR_S = 365 * 24 * 3600.0  # no wait or timeout of a job is longer (threading's own limit is ~292 years)
 
 
@@ -346,6 +350,9 @@ class ClusterConfig:
                           "cluster.rank_start=auto")
         for key in ("job_name", "partition", "account", "qos", "exclude"):
             _check_sbatch_value(f"cluster.{key}", getattr(self, key), _SBATCH_SAFE)
+        if not self.job_name:  # sbatch --job-name= names the job after its script: every job "sbatch"
+            raise invalid("cluster.job_name", self.job_name, "a job needs a name, which squeue, sacct "
+                          "and --dependency=singleton show and match", "cluster.job_name=switchyard")
         _check_sbatch_value("cluster.constraint", self.constraint, _CONSTRAINT_SAFE)
         _check_sbatch_value("cluster.comment", self.comment, _COMMENT_SAFE)
         for i, arg in enumerate(self.srun_args):
@@ -370,6 +377,11 @@ class ClusterConfig:
         for key in ("timeout_min", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise invalid(f"cluster.{key}", getattr(self, key), "must be >= 1", f"cluster.{key}=1")
+        if self.timeout_min > SLURM_MAX_TIME_MIN:
+            raise invalid("cluster.timeout_min", self.timeout_min, f"SLURM keeps a time limit of at most "
+                          f"{SLURM_MAX_TIME_MIN} minutes (68 years, in seconds of 32 bits): a larger one "
+                          f"wraps around to another limit, or to none", "cluster.timeout_min=1440, or at "
+                          "most the partition's MaxTime: scontrol show partition")
         self._check_signal_delay()
         if self.max_requeues < 0:
             raise invalid("cluster.max_requeues", self.max_requeues, "must be >= 0",
@@ -672,8 +684,9 @@ POLICIES = ("pad", "drop")
 @dataclass
 class ModelCompileConfig:
     """``model.compile*``: torch.compile per block (training/compiling.py). Every built-in model
-    schema holds these keys; ``model=custom`` takes them too (``+model.compile=true``). They are
-    never passed to the model's constructor."""
+    schema holds these keys; ``model=custom`` and a user's own model config take them too
+    (``model.compile=true``: ``any_model_compile``). They are never passed to the model's
+    constructor."""
 
     compile: bool = False  # torch.compile each fsdp unit (block), else the whole model, in place
     compile_fullgraph: bool = True  # a graph break inside a block is an error, not a silent split
@@ -688,6 +701,15 @@ class ModelCompileConfig:
         check_compile(self)
 
 
+def any_model_compile(overrides: Sequence[str]) -> list[str]:
+    """``model.compile*=V`` as ``++model.compile*=V`` (Hydra's "set, or add if absent"): every
+    model takes these keys, but only the built-ins' schemas declare them, and Hydra refused
+    ``model.compile=true`` under ``model=custom`` or a user's own model config ("Key 'compile' is
+    not in struct"), where only ``+model.compile=true`` worked. Other overrides as given."""
+    keys = {f"model.{f.name}" for f in dataclasses.fields(ModelCompileConfig)}
+    return [f"++{o}" if o.partition("=")[0] in keys else o for o in overrides]
+
+
 def check_compile(spec: Any) -> None:
     """``model.compile*`` of a schema or of ``model=custom``'s mapping."""
     get = spec.get if isinstance(spec, dict) else lambda key, default: getattr(spec, key, default)
@@ -700,6 +722,20 @@ def check_compile(spec: Any) -> None:
                       "model.compile_recompile_limit=8")
 
 
+def check_sizes(spec: Any, widths: tuple[str, ...]) -> None:
+    """A built-in model's sizes: each width >= 1 (``model.hidden_dim=0`` built a zero-width model
+    that trained to exit 0, its output the head's bias alone), ``num_layers`` >= 0 (0: no blocks,
+    the embedding and the head)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+    for key in widths:
+        if getattr(spec, key) < 1:
+            raise invalid(f"model.{key}", getattr(spec, key), "a model's widths and head counts must be >= 1",
+                          f"model.{key}={defaults[key]}")
+    if spec.num_layers < 0:
+        raise invalid("model.num_layers", spec.num_layers, "must be >= 0 (0: no blocks)",
+                      f"model.num_layers={defaults['num_layers']}")
+
+
 @dataclass
 class MlpConfig(ModelCompileConfig):
     """Row-pooling MLP: embeds each row, masked mean over rows, then an MLP head."""
@@ -707,6 +743,10 @@ class MlpConfig(ModelCompileConfig):
     _target_: str = "jobs.models.RowPoolingMLP"
     hidden_dim: int = 64
     num_layers: int = 2
+
+    def __post_init__(self) -> None:
+        check_compile(self)
+        check_sizes(self, ("hidden_dim",))
 
 
 @dataclass
@@ -723,6 +763,7 @@ class GptConfig(ModelCompileConfig):
     def __post_init__(self) -> None:
         check_floats(self, "model.")
         check_compile(self)
+        check_sizes(self, ("d_model", "num_heads", "ff_mult"))
 
 
 @dataclass
@@ -762,6 +803,7 @@ class TransformerConfig(ModelCompileConfig):
     def __post_init__(self) -> None:
         check_floats(self, "model.")
         check_compile(self)
+        check_sizes(self, ("d_model", "num_heads", "ff_dim"))
 
 
 @dataclass

@@ -55,3 +55,19 @@ def limiting_scontrol(bin_dir: Path, **limits: int) -> Path:
                       f'  exit "${{PIPESTATUS[0]}}"\nfi\nexec {real} "$@"\n')
     script.chmod(0o755)
     return bin_dir
+
+
+def limiting_partition(bin_dir: Path, max_time: str) -> Path:
+    """The real scontrol and sbatch, except that ``show partition`` reports ``MaxTime=max_time``;
+    each call of either is appended to ``bin_dir/calls.log`` (its arguments). Returns the log."""
+    log = bin_dir / "calls.log"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("scontrol", "sbatch"):
+        real = shutil.which(name)
+        assert real is not None, f"{name} is not on PATH"
+        edit = (f'if [ "$1 $2" = "show partition" ]; then\n  {real} "$@" | sed -e "s/MaxTime=[^ ]*/'
+                f'MaxTime={max_time}/"\n  exit "${{PIPESTATUS[0]}}"\nfi\n') if name == "scontrol" else ""
+        script = bin_dir / name
+        script.write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n{edit}exec {real} "$@"\n')
+        script.chmod(0o755)
+    return log

@@ -5,7 +5,10 @@ on 2-CPU nodes. The job then stays PENDING (reason ``PartitionConfig``) forever 
 waits without a word. So before submitting, the exact script submitit would queue is given to
 ``sbatch --test-only``: slurmctld schedules it on paper and queues nothing (a few milliseconds).
 When it refuses, the partition's limits (``scontrol show partition``, ``sinfo``) say which value is
-too large, and the error names that config key with a value that fits.
+too large, and the error names that config key with a value that fits. The time limit is held to
+the partition's ``MaxTime`` first, from the same ``scontrol show partition`` read once per check:
+sbatch accepts a longer one unless the site sets ``EnforcePartLimits``, and the job then pends
+(``PartitionTimeLimit``) forever.
 
 What cannot be known at submission (a node drained later, a limit changed by an admin) is caught
 while waiting: ``never_starts`` reads a pending job's reason from squeue, and the reasons in
@@ -100,11 +103,16 @@ def check(params: Mapping[str, Any], keys: Mapping[str, str] = CONFIG_KEYS) -> N
         raise SlurmRequestError(f"no SLURM controller answers, so nothing was queued: scontrol ping said: "
                                 f"{down} (this machine's local cluster: switchyard cluster up; elsewhere "
                                 f"check that slurmctld runs and that SLURM_CONF names it)")
+    fields = partition_fields(params.get("partition"))  # None: not known here; sbatch says
+    too_long = over_time(params, fields, keys) if fields is not None else None
+    if too_long is not None:  # sbatch accepts it (EnforcePartLimits=NO), and the job pends forever
+        raise SlurmRequestError(f"SLURM would never start this job, so nothing was queued: {too_long}")
     refusal = test_only(params)
     if refusal is None:
         return
-    try:
-        reasons = over_limits(params, partition_limits(params.get("partition")), keys)
+    try:  # the partition as read above: scontrol is asked once
+        reasons = [] if fields is None else over_limits(params, partition_limits(params.get("partition"),
+                                                                                   fields), keys)
     except (OSError, subprocess.SubprocessError, ValueError, LookupError):
         reasons = []  # the limits are a courtesy; sbatch's own refusal is the verdict
     if "invalid partition" in refusal.lower():
@@ -163,16 +171,40 @@ def partitions() -> list[str]:
     return sorted(set(out.split()))
 
 
-def partition_limits(name: str | None) -> PartitionLimits:
-    """The limits of ``name`` (or the default partition) and the size of its largest node."""
-    fields = {}
+def read_partition(name: str | None) -> dict[str, str]:
+    """``scontrol show partition``'s fields of ``name`` (or of the default partition)."""
     for line in _run(["scontrol", "show", "partition", "-o", *([name] if name else [])]).splitlines():
         entry = dict(item.split("=", 1) for item in line.split() if "=" in item)
         if name or entry.get("Default") == "YES":
-            fields = entry
-            break
-    if not fields:
-        raise LookupError(f"no partition {name or '(default)'}")
+            return entry
+    raise LookupError(f"no partition {name or '(default)'}")
+
+
+def partition_fields(name: str | None) -> dict[str, str] | None:
+    """``read_partition``, or None when SLURM cannot say (no such partition, scontrol unreachable):
+    then sbatch's own check is the verdict."""
+    try:
+        return read_partition(name)
+    except (OSError, subprocess.SubprocessError, ValueError, LookupError):
+        return None
+
+
+def over_time(params: Mapping[str, Any], fields: Mapping[str, str],
+              keys: Mapping[str, str] = CONFIG_KEYS) -> str | None:
+    """'KEY=V but partition P allows at most M minutes (try KEY=M)' when the time limit asked for
+    exceeds the partition's MaxTime; None when it fits or the partition has none."""
+    time_min, name = params.get("time"), fields.get("PartitionName", "?")
+    max_time_min = _limit(fields.get("MaxTime", "UNLIMITED"), _minutes)
+    if time_min is None or max_time_min is None or int(time_min) <= max_time_min:
+        return None
+    return (f"{keys['time']}={time_min} but partition {name} allows at most {max_time_min} minutes "
+            f"(MaxTime={fields['MaxTime']}) (try {keys['time']}={max_time_min})")
+
+
+def partition_limits(name: str | None, fields: Mapping[str, str] | None = None) -> PartitionLimits:
+    """The limits of ``name`` (or the default partition) and the size of its largest node;
+    ``fields``: its ``scontrol show partition`` fields when already read."""
+    fields = fields if fields is not None else read_partition(name)
     nodes = [line.split("|") for line in _run(["sinfo", "-h", "-N", "-p", fields["PartitionName"],
                                                "-o", "%N|%c|%m|%G"]).splitlines() if line]
     return PartitionLimits(

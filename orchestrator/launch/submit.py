@@ -646,12 +646,47 @@ def failure(job: submitit.Job[Any], outcomes: list[RankOutcome],
         if hang is not None and o.rank in hang.why:
             cause = f"{hang.why[o.rank]}. Its log ends: "
         who = f"rank {o.rank}{f' on node {node}' if node else ''}: "
-        lines.append(f"{who}{cause}{_tail(quoted(o.error or o.no_output or '').removeprefix(who), 25)}")
+        said = quoted(o.error or o.no_output or "").removeprefix(who)
+        tail = _tail(said, 25)
+        if hang is None and o.error is not None and _RANK_FAILED not in o.error:
+            tail = headed(said, tail)  # a traceback: its exception first, not its tail's first line
+        lines.append(f"{who}{cause}{tail}")
     others = sorted(set(range(len(outcomes))) - {o.rank for o in culprits})
     if culprits and others:
         lines.append(f"ranks {others} were stopped after rank {culprits[0].rank} failed.")
     lines.append(f"logs: {job.paths.folder}")
     return JobFailedError("\n".join(lines), str(job.job_id), [o.rank for o in culprits])
+
+
+# An exception line of a traceback: the exception's (dotted) class name at the start of the line,
+# then its message or nothing (``raise KeyError`` prints the bare name).
+_EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*: .*|[A-Z]\w*:|"
+                             r"[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Iteration|Warning))")
+# What Python prints under a traceback's source lines: 3.11's carets and tildes marking the
+# failing expression.
+_MARKERS = re.compile(r"\s*[\^~]+\s*")
+
+
+def exception_line(text: str) -> str | None:
+    """The last exception line of a traceback in ``text`` (``ValueError: bad batch``; for chained
+    tracebacks, the one raised last), or None: skipping the markers 3.11 prints under source lines,
+    blank lines and submitit's footer, none of which says what failed."""
+    for line in reversed(text.splitlines()):
+        if not line.strip() or _MARKERS.fullmatch(line):
+            continue
+        if _EXCEPTION_LINE.fullmatch(line.rstrip()):
+            return line.rstrip()
+    return None
+
+
+def headed(error: str, tail: str) -> str:
+    """``tail`` (the last lines of a rank's ``error``) under the error's exception line: the
+    report's line for a rank read ``rank 0 on node n1: ^^^^^^^^`` when the tail began inside a
+    3.11 traceback, and the error itself was 20 lines further down."""
+    exception = exception_line(error)
+    if exception is None or tail.startswith(exception):
+        return tail
+    return f"{exception}\n    {tail}"
 
 
 is_collective_timeout = hang_dumps.is_collective_timeout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -50,3 +51,21 @@ def register_run_configs(command: list[str] | None = None) -> None:
     parser (quotes, commas and ``=`` in it stay as typed; ``${key}`` still resolves)."""
     register_configs()
     ConfigStore.instance().store(name="run_schema", node=RunConfig(command=list(command or [])))
+
+
+def refuse_unparsable(command: list[str]) -> str | None:
+    """An error for the first argument of ``command`` that OmegaConf cannot read as a value (an
+    unfinished ``${``: the command is the config's ``command``, where ``${key}`` resolves), else
+    None. Checked before Hydra, whose parse of it was an omegaconf traceback with exit 1."""
+    from omegaconf.errors import GrammarParseError
+    from omegaconf.grammar_parser import parse
+
+    for position, arg in enumerate(command, start=1):
+        try:
+            parse(arg)
+        except GrammarParseError:
+            literal = arg.replace("${", "\\${")
+            return (f"argument {position} of the command after `--` ({arg!r}) has an unfinished ${{...}}: "
+                    f"a ${{key}} there is resolved from the config, so close it (${{key}}), or write "
+                    f"\\${{ for a literal ${{ (try {shlex.quote(literal)})")
+    return None

@@ -33,7 +33,8 @@ artifacts kept in the run directory so that a resume or a requeue does not compi
   another, instead of generating and building them. A kernel built for another CPU's vector ISA
   has another key and is built again; an ISA probe runs in a subprocess, so one copied to a
   CPU without that ISA fails there. A file from another torch version, one whose checksum does
-  not match, or whose kernels do not fit its header, is ignored with a warning.
+  not match, or whose kernels do not fit its header, is ignored with a warning. A cache that
+  cannot be written (a read-only or full disk) is a warning too: the run, compiled, trains on.
 - Rank 0 prints ``compile: N blocks in S s (backend, cache ...)`` after the warm-up: each
   attempt's own figure (the start-up line is printed at the end of a run, which a requeued
   attempt never reaches).
@@ -285,6 +286,8 @@ def load_cache(path: Path) -> tuple[bool, str | None]:
             raise ValueError("not a Switchyard compile cache of this version")
         header_line, _, payload = data[len(MAGIC):].partition(b"\n")
         header = json.loads(header_line)
+        if not isinstance(header, dict):  # valid JSON, but no header: null, a list, a number
+            raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
     except (OSError, ValueError) as e:
         return False, f"ignored the compile cache {path}: unreadable ({e}); compiling from scratch"
     if header.get("torch") != torch.__version__:
@@ -335,9 +338,22 @@ class CompileReport:
     mode: str
     units: int
     warm_up_s: float
-    cache: str  # loaded | published | none (nothing to save: eager backends) | ignored
+    cache: str  # loaded | published | none (nothing to save: eager backends) | unpublished
+    # (it could not be written: a warning says why)
     recompiles: int = 0
     warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def publish(path: Path, kernels: Collection[str]) -> tuple[str, str | None]:
+    """``save_cache``, as the report names it (published, or none: nothing to save), and a warning
+    when it could not be written (``RUN/compile_cache`` a file, a read-only or full disk). The cache
+    only spares a later attempt its compile: the run, compiled now, trains on without it."""
+    try:
+        return ("published" if save_cache(path, kernels) else "none"), None
+    except OSError as e:
+        return "unpublished", (f"could not publish the compile cache {path}: {e.strerror or e} "
+                               f"({type(e).__name__}); training on, and a resume or requeue of this "
+                               f"run compiles again")
 
 
 def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: Path, is_main: bool,
@@ -355,11 +371,14 @@ def prepare(spec: CompileSpec, compiled_units: int, cfg: TrainConfig, run_dir: P
     with limit_errors(recompiles, spec.recompile_limit):
         warm()
     cache = "loaded" if loaded else "none"
-    if not loaded and is_main and save_cache(path, kernels_built_since(before) if builds else ()):
-        cache = "published"
+    warnings = [warning] if warning else []
+    if not loaded and is_main:
+        cache, unpublished = publish(path, kernels_built_since(before) if builds else ())
+        if unpublished:
+            print(f"warning: {unpublished}", flush=True)
+            warnings.append(unpublished)
     report = CompileReport(spec.backend, spec.mode, compiled_units,
-                           round(time.perf_counter() - started, 3), cache,
-                           warnings=[warning] if warning else [])
+                           round(time.perf_counter() - started, 3), cache, warnings=warnings)
     if is_main:  # each attempt's own: a requeued one never reaches the start-up line of its end
         print(f"compile: {compiled_units} blocks in {report.warm_up_s:.2f} s "
               f"({spec.backend}, cache {cache})", flush=True)

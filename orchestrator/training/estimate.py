@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch._subclasses import FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
 
 # torch's fake tensors, memory trackers, fake process group and FSDP are imported where the
@@ -276,6 +277,7 @@ def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
             fake = {k: mode.from_tensor(v).contiguous() if k in task.fields() else v  # whole, fake
                     for k, v in batch.items()}
             model = step.build_model(cfg.model, kwargs, cfg.memory)
+            fake_weights(model, mode)
             if mesh is not None:
                 shard(model, cfg, mesh)
             optimizer = step.build_optimizer(model.parameters(), cfg.optim)
@@ -291,6 +293,28 @@ def run_estimate(cfg: TrainConfig, task: Task, ds: ShardedDataset, example: Batc
                                   f"{first[:200]}", lasting=True) from e
     buckets = 0 if fsdp else state_bytes(cfg, kwargs)  # DDP's reducer: one more gradient copy
     return categorise(snapshot, buckets, on_gpu=cfg.parallelism.gpus_per_node > 0)
+
+
+def fake_weights(model: nn.Module, mode: FakeTensorMode) -> None:
+    """Every parameter and buffer the factory made real, made fake of the same shape and dtype: a
+    factory that loads weights (``from_pretrained``) builds its structure, then assigns the
+    tensors it read from disk, which fake mode does not intercept, and the first operator mixing
+    them with the fake batch failed ("Please convert all Tensors to FakeTensors first"). A tensor
+    shared by two modules (tied embeddings) stays one tensor, counted once."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        both: tuple[tuple[dict[str, Any], bool], ...] = ((module._parameters, True), (module._buffers, False))
+        for slots, is_param in both:
+            for name, tensor in slots.items():
+                if tensor is None or isinstance(tensor, FakeTensor):
+                    continue
+                if id(tensor) not in made:
+                    fake = mode.from_tensor(tensor)
+                    made[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) \
+                        if is_param else fake
+                slots[name] = made[id(tensor)]
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import ConfigError, MemoryConfig, OptimConfig, group_dict, import_target
-from orchestrator.training import compiling, runtime
+from orchestrator.training import blocks, compiling, runtime
 from orchestrator.training.device_batches import to_device
 from orchestrator.training.runtime import Runtime
 from orchestrator.training.tasks import Batch, Task
@@ -40,12 +40,30 @@ def build_model(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig)
                           f"{sorted(dataset_kwargs)}; from the config: {sorted(kwargs) or 'none'}; "
                           f"fix or remove the model.* key)") from e
     if memory.activation_checkpointing:
-        if not hasattr(model, "enable_activation_checkpointing"):
-            raise ConfigError(f"memory.activation_checkpointing=true but model {target} has no "
-                              f"enable_activation_checkpointing() "
-                              f"(try memory.activation_checkpointing=false)")
-        model.enable_activation_checkpointing()
+        checkpoint_activations(model, target)
     return model
+
+
+def checkpoint_activations(model: nn.Module, target: str | None) -> None:
+    """``memory.activation_checkpointing=true``, per block (``blocks``): the model's own
+    ``enable_activation_checkpointing()``, else that of each Hugging Face model in it (it was
+    refused: HF models have no method of that name, but one of their own)."""
+    own: Any = getattr(model, "enable_activation_checkpointing", None)
+    if callable(own):
+        own()
+        return
+    found = blocks.hugging_face_models(model)
+    if not found:
+        raise ConfigError(f"memory.activation_checkpointing=true but model {target} has no "
+                          f"enable_activation_checkpointing(), and holds no Hugging Face model "
+                          f"(try memory.activation_checkpointing=false, or give the model an "
+                          f"enable_activation_checkpointing() that checkpoints its blocks)")
+    refused = blocks.hugging_face_checkpointing(found)
+    if refused:
+        raise ConfigError(f"memory.activation_checkpointing=true but model {target}'s "
+                          f"{', '.join(refused)} does not support activation checkpointing in "
+                          f"transformers (supports_gradient_checkpointing=False) (try "
+                          f"memory.activation_checkpointing=false)")
 
 
 def build_model_on_meta(spec: Any, dataset_kwargs: dict[str, Any], memory: MemoryConfig) -> nn.Module:

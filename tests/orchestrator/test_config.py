@@ -7,7 +7,13 @@ from hydra import compose, initialize_config_module
 from train_helpers import run_train
 
 from jobs.train import load_config
-from orchestrator.config import ClusterConfig, ConfigError, ParallelismConfig, register_configs
+from orchestrator.config import (
+    ClusterConfig,
+    ConfigError,
+    ParallelismConfig,
+    any_model_compile,
+    register_configs,
+)
 
 register_configs()
 
@@ -70,6 +76,38 @@ def test_cfg_job_prints_the_resolved_config_without_running() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "_target_: jobs.models.RowTransformer" in proc.stdout and "lr: 0.01" in proc.stdout
     assert "run_dir:" not in proc.stdout  # printing the config submits nothing
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("model.hidden_dim=0", "model.hidden_dim=0 is invalid: a model's widths and head counts must be >= 1 "
+                           "(try model.hidden_dim=64)"),
+    ("model=gpt model.d_model=0", "model.d_model=0 is invalid: a model's widths and head counts must be "
+                                  ">= 1 (try model.d_model=128)"),
+    ("model=transformer model.num_heads=0", "model.num_heads=0 is invalid: a model's widths and head "
+                                            "counts must be >= 1 (try model.num_heads=4)"),
+    ("model.num_layers=-1", "model.num_layers=-1 is invalid: must be >= 0 (0: no blocks) (try "
+                            "model.num_layers=2)"),
+], ids=["mlp-hidden_dim", "gpt-d_model", "transformer-num_heads", "num_layers"])
+def test_a_zero_width_model_is_refused_naming_the_key(override: str, said: str) -> None:
+    """``model.hidden_dim=0`` built a model of zero width that trained to exit 0."""
+    with pytest.raises(ConfigError) as info:
+        load_config(compose_train(*override.split()))
+    assert str(info.value) == said
+
+
+def test_model_compile_is_set_for_any_model_as_for_the_built_ins() -> None:
+    """``model.compile=true`` with ``model=custom`` was Hydra's "Key 'compile' is not in struct":
+    only ``+model.compile=true`` worked, though every model takes the key. Through
+    ``python -m jobs.train`` (``--cfg job``: composed and printed, nothing run)."""
+    for model in ("model=custom model._target_=jobs.models.GPT", "model=gpt"):
+        proc = run_train("--cfg", "job", *model.split(), "task=causal_lm", "model.compile=true",
+                         "model.compile_backend=aot_eager", timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "compile: true" in proc.stdout and "compile_backend: aot_eager" in proc.stdout, proc.stdout
+    assert any_model_compile(["model.compile=true", "+model.width=3", "model.compile_mode=default",
+                              "optim.lr=1", "+model.compile_dynamic=true"]) == [
+        "++model.compile=true", "+model.width=3", "++model.compile_mode=default", "optim.lr=1",
+        "+model.compile_dynamic=true"]
 
 
 @pytest.mark.parametrize("arg", ["--ntasks=1", "-n1", "-n", "-N2", "--nodes=1", "--ntasks-per-node=1",

@@ -226,6 +226,8 @@ TRAIN_OVERRIDES = {
     **{f"data.{key}=1e11": f"data.{key}=100000000000"
        for key in ("demo_num_samples", "demo_features", "demo_classes", "demo_max_rows")},
     "data.batch_size=1e11": "data.batch_size=100000000000",
+    "cluster.timeout_min=1e11": "cluster.timeout_min=99999999999", "empty-job-name": "cluster.job_name=",
+    "model.hidden_dim=0": "model.hidden_dim=0",
 }
 
 
@@ -256,11 +258,34 @@ def test_a_wrong_override_of_switchyard_run_is_one_error_line(override: str) -> 
     assert_one_error_line(*call_cli(["run", override, "--", "true"]))
 
 
+# The command after `--`: it is the config's ``command``, where ``${key}`` resolves.
+COMMANDS = {"dollar": ["echo", "${"], "dollar-inside": ["python", "x.py", "--lr=${lr"],
+            "dollar-after-one": ["echo", "${cwd}${"], "esc": ["echo", ESC],
+            "no-such-key": ["echo", "${oops}"], "nothing": [], "missing-program": ["/nonexistent/prog"]}
+
+
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_wrong_command_of_switchyard_run_is_one_error_line(command: list[str], tmp_path: Path) -> None:
+    """An unfinished ``${`` after `--` was an omegaconf GrammarParseError traceback with exit 1."""
+    line = assert_one_error_line(*call_cli(["run", f"hydra.run.dir={tmp_path / 'run'}", "--", *command]))
+    assert not (tmp_path / "run" / "command.sh").exists(), "nothing was submitted"
+    if command[-1:] and "${" in command[-1] and command[-1] != "${oops}":
+        assert line.startswith(f"switchyard run: error: argument {len(command)} of the command after `--` "
+                               f"({command[-1]!r}) has an unfinished ${{...}}"), line
+        assert "write \\${ for a literal ${" in line, line
+
+
 def test_switchyard_run_itself_exits_2_with_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([SWITCHYARD, "run", "parallelism.nodez=2", "--", "true"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     line = assert_one_error_line(proc.returncode, proc.stdout, proc.stderr)
     assert "parallelism.nodez" in line
+    proc = subprocess.run([SWITCHYARD, "run", "--", "echo", "${"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    line = assert_one_error_line(proc.returncode, proc.stdout, proc.stderr)
+    assert line == ("switchyard run: error: argument 2 of the command after `--` ('${') has an unfinished "
+                    "${...}: a ${key} there is resolved from the config, so close it (${key}), or write "
+                    "\\${ for a literal ${ (try '\\${')")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ value that fits; one that slipped through is reported while pending, and cancell
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import socket
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import submitit
+from slurm_fakes import limiting_partition
 from train_helpers import refusal as train_refusal
 from train_helpers import run_train
 
@@ -93,6 +95,40 @@ def test_a_controller_that_does_not_answer_is_named_at_once(tmp_path: Path,
     said = train_refusal("cluster=slurm", "parallelism=gpu", "parallelism.gpus_per_node=1",
                          f"data.cache_dir={tmp_path / 'cache'}")
     assert DOWN.match(said.removeprefix("error: ")), said
+
+
+def test_a_time_limit_over_the_partitions_max_time_is_refused_before_sbatch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sbatch takes any time limit where the site does not set EnforcePartLimits (this cluster's
+    is NO), and the job then pends (PartitionTimeLimit) forever: refused first, from the same one
+    ``scontrol show partition`` a refusal reads (this partition's MaxTime, 2 days, as a site's)."""
+    log = limiting_partition(tmp_path / "bin", "2-00:00:00")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    said = refusal(ClusterConfig(mode="slurm", timeout_min=2881), ParallelismConfig())
+    assert said == ("SLURM would never start this job, so nothing was queued: cluster.timeout_min=2881 but "
+                    "partition debug allows at most 2880 minutes (MaxTime=2-00:00:00) (try "
+                    "cluster.timeout_min=2880)")
+    lines = log.read_text().splitlines()
+    assert not [line for line in lines if line.startswith("sbatch")], "refused before sbatch"
+    log.unlink()
+    slurm_request.check(submit.slurm_parameters(ClusterConfig(mode="slurm", timeout_min=2880),
+                                                ParallelismConfig()))
+    log.unlink()
+    refusal(ClusterConfig(mode="slurm"), ParallelismConfig(nodes=3))  # sbatch refuses: limits read
+    asked = [line for line in log.read_text().splitlines() if line.startswith("scontrol show partition")]
+    assert len(asked) == 1, "one scontrol show partition per check"
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("cluster.timeout_min=99999999999", "error: cluster.timeout_min=99999999999 is invalid: SLURM keeps a "
+                                        "time limit of at most 35791393 minutes"),
+    ("cluster.job_name=", "error: cluster.job_name='' is invalid: a job needs a name"),
+], ids=["timeout-beyond-slurm", "empty-job-name"])
+def test_a_time_limit_slurm_cannot_keep_and_an_empty_job_name_are_refused(override: str, said: str) -> None:
+    """Both were queued: 99,999,999,999 minutes as a 2,981,813-day limit (SLURM wraps it around),
+    and an empty name as the job's script name."""
+    line = train_refusal("cluster=slurm", override)
+    assert line.startswith(said), line
 
 
 def test_a_request_that_fits_passes() -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import pytest
+
 from orchestrator.launch.submit import RankOutcome, culprits_of
 
 LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
@@ -65,3 +70,77 @@ def test_a_rank_failed_message_is_quoted_without_the_traceback_around_it() -> No
     assert quoted(error) == ("rank 2 on node n2: `python x.py` exited with status 3\n"
                              "its stdout ends:\n    the last line\n")
     assert quoted("ValueError: plain") == "ValueError: plain"
+
+
+# Two ranks that fail deep in a call chain: each frame of 3.11's traceback is three lines, the
+# last of them carets under the failing expression, so a 25-line tail begins with one.
+# Each waits until both are there, so that both fail: one that fails alone has its peer stopped.
+DEEP_FAILURE = """
+import os, pathlib, time
+
+def down(n):
+    return 1 + across(n - 1)
+
+def across(n):
+    return 1 + down(n - 1) if n > 0 else fail()
+
+def fail():
+    raise ValueError(f"bad batch on rank {os.environ['SUBMITIT_LOCAL_LOCALID']}")
+
+def deep_failure(folder):
+    (pathlib.Path(folder) / os.environ["SUBMITIT_LOCAL_LOCALID"]).touch()
+    while len(list(pathlib.Path(folder).iterdir())) < 2:
+        time.sleep(0.01)
+    return down(12)
+"""
+
+
+def test_each_failed_rank_is_named_with_its_exception_not_the_carets_of_its_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several ranks failed: each rank's line read ``rank 0 on node n1: ^^^^^^^^^^`` (the first
+    line of its traceback's tail), the error itself 24 lines below."""
+    import os
+
+    from orchestrator.config import ClusterConfig, ParallelismConfig
+    from orchestrator.launch import submit
+
+    (tmp_path / "deep_failure.py").write_text(DEEP_FAILURE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))  # for the controller, ranks
+    import deep_failure
+
+    executor = submit.make_executor(ClusterConfig(mode="local"), ParallelismConfig(procs_per_node=2),
+                                    tmp_path / "jobs")
+    (tmp_path / "ready").mkdir()
+    job = submit.submit(executor, deep_failure.deep_failure, str(tmp_path / "ready"))
+    with pytest.raises(submit.JobFailedError) as failed:
+        submit.results(job)
+    report = str(failed.value)
+    heads = [line for line in report.splitlines() if line.startswith("rank ")]
+    assert [re.sub(r" on node [^:\s]+", "", line) for line in heads] == [
+        "rank 0: ValueError: bad batch on rank 0", "rank 1: ValueError: bad batch on rank 1"], report
+    assert "^^^" in report  # the traceback's tail is still quoted, under its exception
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ("Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n    y = g(1) + 2\n"
+     "        ^^^^\nValueError: bad\n\n----------------------\nYou can check full logs with 'job.stderr(0)'",
+     "ValueError: bad"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n    d['k']\n    ~^^^^^\n"
+     "KeyError: 'k'\n\nDuring handling of the above exception, another exception occurred:\n\n"
+     "Traceback (most recent call last):\n  File \"x.py\", line 5, in f\n"
+     "    raise RuntimeError('lost') from None\n"
+     "torch.distributed.DistBackendError: lost\n", "torch.distributed.DistBackendError: lost"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n    raise KeyboardInterrupt\n"
+     "KeyboardInterrupt\n", "KeyboardInterrupt"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n    assert x\n           ^\n"
+     "AssertionError\n   \n", "AssertionError"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n    raise MyError()\nmod.MyError:\n",
+     "mod.MyError:"),
+    ("step 7: loss 0.51\n   ^^^^\n", None),
+], ids=["carets-and-footer", "chained", "bare-name", "no-message-blank-after", "empty-message", "none"])
+def test_the_exception_line_of_a_traceback_is_found(text: str, line: str | None) -> None:
+    from orchestrator.launch.submit import exception_line
+
+    assert exception_line(text) == line

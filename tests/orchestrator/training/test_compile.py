@@ -171,6 +171,54 @@ def test_a_cache_whose_kernels_do_not_fit_its_header_is_ignored_and_writes_nothi
     assert not (tmp_path / "evil.so").exists() and compiling.binaries(node) == set()
 
 
+
+@pytest.mark.parametrize("header", [b"null", b"[1, 2]", b"7"], ids=["null", "list", "number"])
+def test_a_cache_whose_header_is_not_an_object_is_ignored_with_a_warning(tmp_path: Path,
+                                                                         header: bytes) -> None:
+    """Valid JSON but no header: it was an AttributeError (``header.get``) at every resume and
+    requeue of the run until the file was deleted by hand; now a warning and a cold compile, as
+    for any damaged cache."""
+    path = tmp_path / "cache.bin"
+    path.write_bytes(compiling.MAGIC + header + b"\n" + b"payload")
+    kind = type(json.loads(header)).__name__
+    assert compiling.load_cache(path) == (
+        False, f"ignored the compile cache {path}: unreadable (its header is a JSON {kind}, not an "
+               f"object); compiling from scratch")
+
+
+def as_column(x: torch.Tensor) -> torch.Tensor:
+    return x.view(-1, 1)  # a view: inductor saves its graph and has no kernel to build (seconds)
+
+
+@pytest.mark.parametrize("blocked", ["dir-is-a-file", "file-is-a-dir"])
+def test_a_cache_that_cannot_be_published_is_a_warning_and_the_run_goes_on(
+        data: trainer.DataPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocked: str) -> None:
+    """``RUN/compile_cache`` a file (or the cache file's name a directory; a read-only or full disk
+    fails the same write) raised FileExistsError / IsADirectoryError after the whole cold compile,
+    with 0 steps trained. Publishing only spares a later attempt its compile: one warning naming
+    the path and the cause, and the compiled run goes on. A real inductor compile of one
+    view: eager backends save nothing, so nothing would be written."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config(data, backend="inductor")
+    path = compiling.cache_path(cfg, run)
+    if blocked == "dir-is-a-file":
+        path.parent.write_text("mine\n")
+    else:
+        path.mkdir(parents=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(as_column, backend="inductor")
+    spec = compiling.CompileSpec(enabled=True, backend="inductor")
+    report, _ = compiling.prepare(spec, 1, cfg, run, True, lambda: compiled(torch.ones(3)))
+    assert report.cache == "unpublished"
+    [warning] = report.warnings
+    assert warning.startswith(f"could not publish the compile cache {path}: ")
+    assert ("File exists (FileExistsError)" if blocked == "dir-is-a-file"
+            else "Is a directory (IsADirectoryError)") in warning
+    assert warning.endswith("training on, and a resume or requeue of this run compiles again")
+    assert (path.parent.read_text() == "mine\n") if blocked == "dir-is-a-file" else path.is_dir()
+
 class Rows(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2

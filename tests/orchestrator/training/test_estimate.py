@@ -168,6 +168,46 @@ def test_a_language_model_is_estimated_on_windows_of_seq_len(tmp_path: Path) -> 
     assert abs(found.peak / real - 1) < 0.15, (found, real)
 
 
+RECIPES = Path(__file__).resolve().parents[3] / "docs" / "recipes"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_pretrained_factory_is_estimated_as_the_same_model_built_from_its_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    """Every ``from_pretrained`` factory printed "memory: not estimated (... AssertionError: Please
+    convert all Tensors to FakeTensors first ...)": the weights it read are real tensors, which
+    fake mode does not make. Now they are made fake, and the estimate is the architecture's:
+    the same parameters, gradients and optimizer state as the same GPT-2 built from its config
+    (its head tied to its embedding, counted once)."""
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    from sharding import DatasetWriter
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    rng = np.random.default_rng(0)
+    with DatasetWriter(tmp_path / "tokens") as writer:
+        for _ in range(8):
+            writer.append({"tokens": rng.integers(0, 50, 40).astype(np.uint16)})
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_positions=8, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0)).save_pretrained(tmp_path / "pretrained")
+    common = ["task=causal_lm", "task.vocab_size=50", "model=custom", f"data.path={tmp_path / 'tokens'}",
+              "data.seq_len=8", "data.batch_size=4", f"parallelism.strategy={strategy}"]
+    reports = {}
+    for name, model in (("pretrained", ["model._target_=hf_causal_lm.pretrained",
+                                        f"+model.path={tmp_path / 'pretrained'}"]),
+                        ("new", ["model._target_=hf_causal_lm.gpt2"])):
+        cfg, task, ds, example = setup([*common, *model])
+        reports[name] = estimate.check_memory(cfg, task, ds, example)
+    found, new = reports["pretrained"], reports["new"]
+    assert found is not None and found.estimate is not None, found and found.line()
+    assert new is not None and new.estimate is not None
+    assert [getattr(found.estimate, k) for k in ("parameters", "gradients", "optimizer")] == \
+        [getattr(new.estimate, k) for k in ("parameters", "gradients", "optimizer")]
+    assert "not estimated" not in found.line(), found.line()
+
+
 # ------------------------------------------------------------------------------------------------
 # The GPU's size, and the H100 peaks
 

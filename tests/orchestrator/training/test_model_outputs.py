@@ -5,6 +5,7 @@ forward names ``input_ids`` by keyword. The task's own loss stays the loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from rank_helpers import write_rows_dataset
 from train_helpers import CHEAP, run_train
 
@@ -190,3 +192,60 @@ def test_a_pretrained_directory_fine_tunes_checkpoints_and_resumes(data: dict[st
     resumed = train(6, "parallelism.strategy=fsdp")
     assert resumed["resumed_from"]["step"] == 4 and resumed["steps"] == 6
     assert len(set(resumed["param_checksum_per_rank"])) == 1
+
+
+
+def test_activation_checkpointing_recomputes_each_hugging_face_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory.activation_checkpointing=true`` on a Hugging Face model was refused ("has no
+    enable_activation_checkpointing()"). Now transformers' own switch is used, per layer (the
+    GPT2Blocks fsdp shards, its hooks outside the recompute): each layer's attention runs again in
+    the backward, and the gradients are the same as without."""
+    pytest.importorskip("transformers")
+    from orchestrator.config import MemoryConfig
+    from orchestrator.training import blocks, step
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = step.build_model({"_target_": "hf_causal_lm.gpt2"}, {"vocab_size": 50, "seq_len": 8},
+                                 MemoryConfig(activation_checkpointing=checkpointing))
+        calls: list[int] = []
+        for layer in model.transformer.h:
+            layer.attn.register_forward_hook(lambda *_, seen=calls: seen.append(1))  # type: ignore[misc]
+        model.train()
+        model(input_ids=tokens).logits.float().square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        layers = [type(m).__name__ for m in blocks.checkpointed_layers(model)]
+        runs[checkpointing] = (len(calls), grads, layers)
+    assert runs[False][0] == 2 and runs[True][0] == 4  # 2 layers; each recomputed once
+    assert runs[False][2] == [] and runs[True][2].count("GPT2Block") == 2
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1], strict=True))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_hugging_face_model_trains_with_activation_checkpointing(
+        rank: runtime.Runtime, data: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        strategy: str) -> None:
+    """The same losses with and without it, under ddp and fsdp, from the checks before submission
+    (which ran the model once, checkpointed) to the last step."""
+    pytest.importorskip("transformers")
+    from orchestrator.config import MemoryConfig, ParallelismConfig
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    losses = []
+    for checkpointing in (False, True):
+        cfg = dataclasses.replace(config("causal_lm", data["causal_lm"], {"_target_": "hf_causal_lm.gpt2"}),
+                                  parallelism=ParallelismConfig(strategy=strategy),
+                                  memory=MemoryConfig(activation_checkpointing=checkpointing,
+                                                      estimate_cache=None))
+        paths = trainer.DataPaths(data["causal_lm"], None)
+        checks.check_before_submit(cfg, paths)
+        run = tmp_path / f"checkpointing-{checkpointing}"
+        run.mkdir()
+        done = trainer.Trainer(cfg, paths, run, rank).run()
+        assert done["steps"] == 4
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses.append([m["train_loss"] for m in metrics if "train_loss" in m])
+    assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-6)
