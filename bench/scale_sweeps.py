@@ -112,15 +112,14 @@ def _summary(memory: dict[str, Any]) -> str:
 def build(root: Path, kind: str, num_jobs: int = NUM_JOBS) -> tuple[Path, int, int]:
     """A registry holding one ``kind`` sweep of ``num_jobs`` jobs: (its path, sweep id, a job to show)."""
     from orchestrator.telemetry.files import write_end_summary
-    from orchestrator.telemetry.fold import NodeFold
-    from orchestrator.telemetry.summary import summarize
+    from orchestrator.telemetry.summary import sampler_fold, summarize
 
     metrics, now = _metrics_text(), time.time()
     day = _telemetry_lines(now - 86_400, DAY_SAMPLES) if kind == "running a day" else None
     template = root / ("template day" if day else "template")
     if not template.exists():  # the samples, and the fold their sampler wrote as it took them
         _write_telemetry(template, now - 310, day)
-        NodeFold.resume(template / "telemetry" / "n1.jsonl").write()
+        sampler_fold(template, template / "telemetry" / "n1.jsonl").write()
     memory = summarize(template)
     path, sweep_dir = root / f"{kind}.db", root / kind
     running = range(NUM_DONE_WHILE_RUNNING, NUM_DONE_WHILE_RUNNING + ARRAY_PARALLELISM)

@@ -90,7 +90,7 @@ def _sweeps(args: argparse.Namespace) -> int:
 
     with Registry(args.registry) as reg, damage_reported(reg.path):
         if args.command == "status":
-            return status.cmd_status(reg, args.target, args.json, read_all=args.read_all)
+            return status.cmd_status(reg, args.target, args.json)
         if args.command == "logs":
             return status.cmd_logs(reg, args.job, args.rank, args.follow, args.stream, args.attempt)
         if args.command == "show":
@@ -117,9 +117,9 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser("status", parents=[common, scripted],
                        help="sweeps; with SWEEP, each job's state, step, loss and runtime")
     p.add_argument("target", nargs="?", metavar="SWEEP", help="a sweep id (or SWEEP/NUM for one job)")
-    p.add_argument("--read-all", action="store_true",
-                   help="read every ended job's results now, however long that takes (default: for "
-                        "about 1 s per call, marking the rest 'unread'; --json reads them all)")
+    # every call reads every ended job now; the flag of the calls that read for a second is still
+    # taken, so the scripts that pass it run on
+    p.add_argument("--read-all", action="store_true", help=argparse.SUPPRESS)
     p = sub.add_parser("logs", parents=[common], help="a job's log (one rank), optionally followed")
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM (e.g. 3/0) or a SLURM id (e.g. 4711_0)")
     p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
