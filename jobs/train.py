@@ -172,7 +172,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     job = submit.submit(executor, train_job, cfg, paths, str(run_dir))
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
-                                       config_yaml)
+                                       config_yaml, cfg.parallelism, total_steps=cfg.optim.max_steps)
     results = single.follow(cfg.cluster, recorded, job, run_dir)
     return None if results is None else report(results[0], run_dir)
 

@@ -247,5 +247,5 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     atomic.write_text(run / "config.yaml", config_yaml)
     name = getattr(fn, "__qualname__", type(fn).__qualname__)
     recorded = single.record_submitted(APP, f"{name} {' '.join(overrides)}".strip(), job, run,
-                                       list(overrides), config_yaml, announce=False)
+                                       list(overrides), config_yaml, cfg.parallelism, announce=False)
     return FunctionJob(cast(submitit.Job[Any], job), run, recorded)

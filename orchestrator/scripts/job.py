@@ -172,7 +172,8 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
         return None
     job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
     command = f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip()
-    recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml)
+    recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml,
+                                       cfg.parallelism)
     results = single.follow(cfg.cluster, recorded, job, run_dir)
     return None if results is None else report(results, run_dir)
 
