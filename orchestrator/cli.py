@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import select
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -201,10 +203,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _closed(stream: object) -> bool:
+    """Whether ``stream`` is a pipe nobody reads any more (the kernel flags its write end)."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)  # type: ignore[attr-defined]
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def main_to_a_reader_that_may_leave(argv: Sequence[str] | None = None) -> int:
+    """``main``, and a reader that stops reading (``switchyard status 1 | head -1``) ends it
+    quietly, as Python's documentation recommends (``signal``, "Note on SIGPIPE"): what is left
+    to write goes to /dev/null, exit 1, no BrokenPipeError traceback. A broken pipe that is not
+    the output's (a socket) is an error as before."""
+    try:
+        try:
+            return main(argv)
+        finally:  # here, not at exit (argparse's --help exits): a closed reader is seen while it can be
+            sys.stdout.flush()  # handled
+    except BrokenPipeError:
+        gone = [s for s in (sys.stdout, sys.stderr) if _closed(s)]
+        if not gone:
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in gone:
+            os.dup2(devnull, stream.fileno())  # the flush at exit writes nowhere instead of failing
+        return 1
+
+
 def console_main() -> NoReturn:
     """The installed ``switchyard`` command: ``main``, ending as the interpreter would but without
     its teardown (``quick_exit``): ``switchyard run`` waits on its job and has printed its end."""
-    exit_as_interpreter(lambda: sys.exit(main()), join_threads=True)
+    exit_as_interpreter(lambda: sys.exit(main_to_a_reader_that_may_leave()), join_threads=True)
 
 
 if __name__ == "__main__":
