@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import select
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file
+from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file, shown
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
 from orchestrator.localcluster import command as cluster_command
@@ -25,6 +26,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
         self.exit(2, f"{self.prog}: error: {one_line(message)} (usage: {usage})\n")
+
+
+def number(text: str) -> int:
+    """An argparse ``type=`` for a whole number in the digits 0-9 (``int`` also takes ``７``)."""
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is invalid: write a whole number in the digits 0-9")
+    return int(text)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -124,11 +132,11 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--read-all", action="store_true", help=argparse.SUPPRESS)
     p = sub.add_parser("logs", parents=[common], help="a job's log (one rank), optionally followed")
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM (e.g. 3/0) or a SLURM id (e.g. 4711_0)")
-    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    p.add_argument("--rank", type=number, default=0, help="which rank's log (default 0)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     p.add_argument("--stream", choices=["both", "out", "err"], default="both",
                    help="stdout, stderr or both (default)")
-    p.add_argument("--attempt", type=int, default=None, help="an earlier attempt (default: latest)")
+    p.add_argument("--attempt", type=number, default=None, help="an earlier attempt (default: latest)")
     p = sub.add_parser("show", parents=[common, scripted], help="a job's overrides, attempts and "
                                                                 "resolved config")
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM or a SLURM id")

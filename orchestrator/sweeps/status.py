@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,11 +66,21 @@ class Ref:
 MAX_ID = 2**63 - 1
 
 
+def ascii_digits(text: str, what: str) -> None:
+    """Ids and numbers are written in ASCII digits: Python's ``int`` and ``\\d`` also take
+    fullwidth (``１``) and Arabic-Indic (``١``) ones, and ``status １`` showed sweep 1."""
+    if any(c.isdigit() and not c.isascii() for c in text):
+        fixed = "".join(str(unicodedata.digit(c)) if c.isdigit() else c for c in text)
+        raise CommandError(f"{what} {shown(text)} is invalid: write it in the digits 0-9 "
+                           f"(try {shown(fixed)})")
+
+
 def parse_ref(registry: Registry, text: str, want_job: bool = False) -> Ref:
     """``12`` (a sweep), ``12/3`` (its job 3), or a SLURM id (``4711_3``, ``4711``, a local pid).
     The sweep and the job must exist: a job number past the sweep's end once read as a job with
     nothing to show (an empty table, "every job has already ended")."""
-    match = re.fullmatch(r"(\d+)(?:[/:](\d+))?", text.strip())
+    ascii_digits(text, "the id")
+    match = re.fullmatch(r"([0-9]+)(?:[/:]([0-9]+))?", text.strip())
     numbers = [int(n) for n in match.groups() if n is not None] if match else []
     if numbers and max(numbers) <= MAX_ID:
         if len(numbers) == 2:
