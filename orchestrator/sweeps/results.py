@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from orchestrator.registry.db import Attempt, Job, Registry, Result
@@ -66,7 +65,7 @@ def last_metrics(run_dir: str) -> dict[str, Any] | None:
     """The last complete training line of RUN/metrics.jsonl (the trainer appends one per log step,
     and one per evaluation)."""
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+        with open(f"{run_dir}/metrics.jsonl", "rb") as f:  # not os.path.join: status reads thousands
             f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
             lines = f.read().splitlines()
     except OSError:
@@ -149,19 +148,19 @@ def job_memory(run_dir: str) -> dict[str, Any] | None:
     it failed, else from what each node's sampler folded so far (a run still going, or one killed
     outright): never more than ``fold.TAIL_BYTES`` of a node's raw samples."""
     try:
-        with open(os.path.join(run_dir, "summary.json"), "rb") as f:
+        with open(f"{run_dir}/summary.json", "rb") as f:
             memory = json.loads(f.read()).get("memory")
         return memory if isinstance(memory, dict) else None
     except (OSError, ValueError, AttributeError):
         pass
     try:  # one listing says which of the files below exist: none is looked for in vain
-        listing = set(os.listdir(os.path.join(run_dir, "telemetry")))
+        listing = set(os.listdir(f"{run_dir}/telemetry"))
     except OSError:
         return None  # no telemetry directory: nothing was sampled
     if "end-summary.json" in listing and (memory := read_end_summary(run_dir)) is not None:
         return memory
     try:
-        return summarize(Path(run_dir), listing)
+        return summarize(run_dir, listing)
     except (OSError, ValueError, KeyError, TypeError) as e:  # damaged files: said, not waited on
         why = f"no summary: its telemetry could not be read ({type(e).__name__}: {e})"
         return {"mode": "none", "num_samples": 0, "duration_s": 0.0,

@@ -311,12 +311,11 @@ def kept_memory(run_dir: str | Path, listing: Collection[str]) -> dict[str, Any]
     folded = raws[0].removesuffix(".jsonl") + ".fold.json" if len(raws) == 1 else None
     if folded is None or folded not in listing:
         return None
-    directory = os.path.join(run_dir, "telemetry")
-    state = _load(os.path.join(directory, folded))  # before the size, as read_digest does
+    state = _load(f"{run_dir}/telemetry/{folded}")  # before the size, as read_digest does
     if state is None:
         return None
     try:
-        covers = int(state["raw_bytes"]) == os.stat(os.path.join(directory, raws[0])).st_size
+        covers = int(state["raw_bytes"]) == os.stat(f"{run_dir}/telemetry/{raws[0]}").st_size
     except (OSError, KeyError, TypeError, ValueError):
         return None
     kept = state.get("kept") if covers else None

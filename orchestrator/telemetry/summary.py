@@ -27,7 +27,7 @@ def summarize(run_dir: str | Path, listing: Collection[str] | None = None) -> Re
     """
     if listing is None:
         try:
-            listing = set(os.listdir(os.path.join(run_dir, "telemetry")))
+            listing = set(os.listdir(f"{run_dir}/telemetry"))
         except FileNotFoundError:
             listing = set()
     kept = _kept(run_dir, listing)
@@ -53,7 +53,7 @@ def _ranks_stamp(run_dir: str | Path, listing: Collection[str] | None = None) ->
     if listing is not None and "ranks" not in listing:
         return None
     try:
-        return os.stat(os.path.join(run_dir, "telemetry", "ranks")).st_mtime_ns
+        return os.stat(f"{run_dir}/telemetry/ranks").st_mtime_ns
     except FileNotFoundError:
         return None
 

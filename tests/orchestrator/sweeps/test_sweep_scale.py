@@ -101,16 +101,16 @@ def ended_sweep(tmp_path: Path) -> Registry:
 
 def test_an_ended_jobs_files_are_read_once_and_kept_in_the_registry(
         ended_sweep: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    summarised: list[Path] = []
+    summarised: list[str] = []
     summarize = results.summarize
 
-    def counted(run_dir: Path, listing: Any = None) -> dict[str, Any]:
-        summarised.append(run_dir)
+    def counted(run_dir: str, listing: Any = None) -> dict[str, Any]:
+        summarised.append(str(run_dir))
         return summarize(run_dir, listing)
 
     monkeypatch.setattr(results, "summarize", counted)
     first = status_text(ended_sweep)
-    assert summarised == [tmp_path / "1"]  # the failed job's telemetry, summarised once
+    assert summarised == [str(tmp_path / "1")]  # the failed job's telemetry, summarised once
     rows = table(first)
     assert rows["1/0"][6:10] == ["10/20", "0.5000", "16.00", "GiB"] and rows["1/0"][10] == "!1"
     assert rows["1/1"][6:10] == ["11/20", "1.5000", "3.00", "GiB"]
@@ -118,7 +118,7 @@ def test_an_ended_jobs_files_are_read_once_and_kept_in_the_registry(
     for n in range(2):  # what is shown now comes from the registry, not from the files
         shutil.rmtree(tmp_path / str(n))
     assert status_text(ended_sweep) == first
-    assert summarised == [tmp_path / "1"]
+    assert summarised == [str(tmp_path / "1")]
     out = io.StringIO()
     cmd_show(ended_sweep, "1/0", as_json=True, out=out)
     assert json.loads(out.getvalue())["memory"] == FLAGGED_MEMORY
