@@ -13,7 +13,8 @@ summary). SLURM ids are array tasks no cluster knows (arrays of 1001, the local 
   samples, 4.5 MB, 1.1 GB over the 256 jobs) with the fold its sampler keeps beside them
   (``telemetry.fold``): no call reads the raw samples.
 - killed: every job FAILED, killed outright (OOM killer, node failure): no end summary, so the
-  first status after they ended reads each job's sampler fold (once: the result is kept).
+  first status after they ended reads the memory section each job's sampler kept with its fold
+  (once: the result is kept); ``bench/status_first_call.py`` compares that call with a revision's.
 - running: one array in flight at ``array_parallelism`` 256: 256 jobs RUNNING (telemetry so far),
   3,744 COMPLETED, 6,000 queued.
 
