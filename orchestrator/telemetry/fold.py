@@ -24,6 +24,7 @@ summarised from its last ``TAIL_BYTES`` only, and the summary's notes say so. ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -254,8 +255,11 @@ class NodeFold:
         digest = self.digest.to_json()
         digest.pop("offsets", None)
         state = {"version": VERSION, "raw_bytes": self.digest_bytes, "digest": digest}
-        if self.memory_of is not None:
-            state["kept"] = self.memory_of(self.digest)
+        # the kept section is an optimisation (readers summarise the fold without it): a failure
+        # to make it must not keep the fold itself from being written
+        with contextlib.suppress(Exception):
+            if self.memory_of is not None:
+                state["kept"] = self.memory_of(self.digest)
         atomic.write_json(fold_file(self.raw), state, durable=False)
         atomic.write_json(series_file(self.raw), {"version": VERSION, "raw_bytes": self.series_bytes,
                                                   "series": self.series.to_json()}, durable=False)
