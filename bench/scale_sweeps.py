@@ -13,7 +13,8 @@ summary). SLURM ids are array tasks no cluster knows (arrays of 1001, the local 
   samples, 4.5 MB, 1.1 GB over the 256 jobs) with the fold its sampler keeps beside them
   (``telemetry.fold``): no call reads the raw samples.
 - killed: every job FAILED, killed outright (OOM killer, node failure): no end summary, so the
-  first status after they ended reads each job's sampler fold (once: the result is kept).
+  first status after they ended reads the memory section each job's sampler kept with its fold
+  (once: the result is kept); ``bench/status_first_call.py`` compares that call with a revision's.
 - running: one array in flight at ``array_parallelism`` 256: 256 jobs RUNNING (telemetry so far),
   3,744 COMPLETED, 6,000 queued.
 
@@ -112,15 +113,14 @@ def _summary(memory: dict[str, Any]) -> str:
 def build(root: Path, kind: str, num_jobs: int = NUM_JOBS) -> tuple[Path, int, int]:
     """A registry holding one ``kind`` sweep of ``num_jobs`` jobs: (its path, sweep id, a job to show)."""
     from orchestrator.telemetry.files import write_end_summary
-    from orchestrator.telemetry.fold import NodeFold
-    from orchestrator.telemetry.summary import summarize
+    from orchestrator.telemetry.summary import sampler_fold, summarize
 
     metrics, now = _metrics_text(), time.time()
     day = _telemetry_lines(now - 86_400, DAY_SAMPLES) if kind == "running a day" else None
     template = root / ("template day" if day else "template")
     if not template.exists():  # the samples, and the fold their sampler wrote as it took them
         _write_telemetry(template, now - 310, day)
-        NodeFold.resume(template / "telemetry" / "n1.jsonl").write()
+        sampler_fold(template, template / "telemetry" / "n1.jsonl").write()
     memory = summarize(template)
     path, sweep_dir = root / f"{kind}.db", root / kind
     running = range(NUM_DONE_WHILE_RUNNING, NUM_DONE_WHILE_RUNNING + ARRAY_PARALLELISM)

@@ -155,7 +155,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
         app="train", command=" ".join(overrides), run_dir=run_dir, cluster=cfg.cluster,
         parallelism=cfg.parallelism, overrides=overrides,
         check=lambda cluster: plan(dataclasses.replace(cfg, cluster=cluster), run_dir),
-        held=[(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")]).run()
+        held=[(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")], total_steps=cfg.optim.max_steps).run()
     return None if submitted.results is None else report(submitted.results[0], run_dir)
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import re
+import select
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file
+from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file, shown
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
 from orchestrator.localcluster import command as cluster_command
@@ -23,6 +26,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
         self.exit(2, f"{self.prog}: error: {one_line(message)} (usage: {usage})\n")
+
+
+def number(text: str) -> int:
+    """An argparse ``type=`` for a whole number in the digits 0-9 (``int`` also takes ``７``)."""
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is invalid: write a whole number in the digits 0-9")
+    return int(text)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -94,7 +104,7 @@ def _sweeps(args: argparse.Namespace) -> int:
 
     with Registry(args.registry) as reg, damage_reported(reg.path):
         if args.command == "status":
-            return status.cmd_status(reg, args.target, args.json, read_all=args.read_all)
+            return status.cmd_status(reg, args.target, args.json)
         if args.command == "logs":
             return status.cmd_logs(reg, args.job, args.rank, args.follow, args.stream, args.attempt)
         if args.command == "show":
@@ -121,16 +131,16 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser("status", parents=[common, scripted],
                        help="sweeps; with SWEEP, each job's state, step, loss and runtime")
     p.add_argument("target", nargs="?", metavar="SWEEP", help="a sweep id (or SWEEP/NUM for one job)")
-    p.add_argument("--read-all", action="store_true",
-                   help="read every ended job's results now, however long that takes (default: for "
-                        "about 1 s per call, marking the rest 'unread'; --json reads them all)")
+    # every call reads every ended job now; the flag of the calls that read for a second is still
+    # taken, so the scripts that pass it run on
+    p.add_argument("--read-all", action="store_true", help=argparse.SUPPRESS)
     p = sub.add_parser("logs", parents=[common], help="a job's log (one rank), optionally followed")
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM (e.g. 3/0) or a SLURM id (e.g. 4711_0)")
-    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    p.add_argument("--rank", type=number, default=0, help="which rank's log (default 0)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     p.add_argument("--stream", choices=["both", "out", "err"], default="both",
                    help="stdout, stderr or both (default)")
-    p.add_argument("--attempt", type=int, default=None, help="an earlier attempt (default: latest)")
+    p.add_argument("--attempt", type=number, default=None, help="an earlier attempt (default: latest)")
     p = sub.add_parser("show", parents=[common, scripted], help="a job's overrides, attempts and "
                                                                 "resolved config")
     p.add_argument("job", metavar="JOB", help="SWEEP/NUM or a SLURM id")
@@ -205,10 +215,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _closed(stream: object) -> bool:
+    """Whether ``stream`` is a pipe nobody reads any more (the kernel flags its write end)."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)  # type: ignore[attr-defined]
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def main_to_a_reader_that_may_leave(argv: Sequence[str] | None = None) -> int:
+    """``main``, and a reader that stops reading (``switchyard status 1 | head -1``) ends it
+    quietly, as Python's documentation recommends (``signal``, "Note on SIGPIPE"): what is left
+    to write goes to /dev/null, exit 1, no BrokenPipeError traceback. A broken pipe that is not
+    the output's (a socket) is an error as before."""
+    try:
+        try:
+            return main(argv)
+        finally:  # here, not at exit (argparse's --help exits): a closed reader is seen while it can be
+            sys.stdout.flush()  # handled
+    except BrokenPipeError:
+        gone = [s for s in (sys.stdout, sys.stderr) if _closed(s)]
+        if not gone:
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in gone:
+            os.dup2(devnull, stream.fileno())  # the flush at exit writes nowhere instead of failing
+        return 1
+
+
 def console_main() -> NoReturn:
     """The installed ``switchyard`` command: ``main``, ending as the interpreter would but without
     its teardown (``quick_exit``): ``switchyard run`` waits on its job and has printed its end."""
-    exit_as_interpreter(lambda: sys.exit(main()), join_threads=True)
+    exit_as_interpreter(lambda: sys.exit(main_to_a_reader_that_may_leave()), join_threads=True)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ def describe(error: BaseException) -> str:
         where = f" {error.filename!r}" if error.filename else ""
         return (f"cannot create the run directory{where}: {error.strerror or error} (try "
                 f"hydra.run.dir=<a directory you can write>, or hydra.sweep.dir= with -m)")
-    parts = [str(error), *([str(error.__cause__)] if error.__cause__ else [])]
+    cause = str(error.__cause__) if error.__cause__ else ""
+    parts = [str(error), *([cause] if cause and cause not in str(error) else [])]  # said once
     text = ""
     for line in (line.strip() for part in parts for line in part.splitlines()):
         if line:

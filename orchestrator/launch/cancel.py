@@ -3,7 +3,6 @@ function API's ``Job.cancel()`` share its check, so a job that has ended stays a
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from orchestrator.launch import local_jobs, slurm_query
 from orchestrator.registry.db import Attempt, Observation, Registry
 from orchestrator.registry.reconciliation import reconcile
 from orchestrator.registry.states import TERMINAL_STATES
+from orchestrator.registry.status_file import where_stopped
 
 
 class CancelError(RuntimeError):
@@ -49,18 +49,6 @@ def _where(attempt: Attempt) -> str:
     """``: stopped by PREEMPTED at step 676; checkpoint in DIR`` where its rank 0 said so."""
     said = where_stopped(attempt.log_dir, str(attempt.slurm_id)) if attempt.log_dir else None
     return f": {said}" if said else ""
-
-
-def where_stopped(log_dir: str, job_id: str) -> str | None:
-    """Where a stopped attempt stopped, as its rank 0's log says (the trainer's ``stopped by
-    PREEMPTED at step 676; checkpoint in RUN/checkpoints``); None when it says nothing."""
-    try:
-        with open(os.path.join(log_dir, f"{job_id}_0_log.out"), "rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - 16384, 0))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    return next((line.strip() for line in reversed(lines) if "stopped by " in line), None)
 
 
 def _cancel_slurm(attempts: list[Attempt]) -> list[Attempt]:

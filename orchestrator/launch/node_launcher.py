@@ -122,6 +122,12 @@ class Report:
         self.say(f"{SAYS}: stopping the other ranks of node {self.hostname} after rank {rank} ended")
 
 
+# What the launcher exits with when its ranks stopped cleanly on a stop request: 128 + SIGTERM,
+# as a shell reports a program SIGTERM ended (sacct: "15:0"), and as jobs.train and switchyard run
+# exit when their job was stopped (launch.submit.STOPPED_EXIT_CODE).
+STOPPED_STATUS = 128 + signal.SIGTERM
+
+
 def supervise(ranks: Mapping[int, int], report: Report, grace_s: float = STOP_GRACE_S,
               stopped: Callable[[int], bool] = lambda rank: False) -> int:
     """Wait for the ranks (pid -> rank). Each that ends badly is reported; the first one's failure
@@ -129,9 +135,13 @@ def supervise(ranks: Mapping[int, int], report: Report, grace_s: float = STOP_GR
 
     A rank that left on a stop request (``stopped``: its stop file, written after the checkpoint)
     exits non-zero too, and is reported as srun reported it, but stops nobody: the others stopped
-    at the same step and are leaving (rank 0 perhaps still asking ``scontrol requeue``)."""
+    at the same step and are leaving (rank 0 perhaps still asking ``scontrol requeue``). When
+    every rank that ended so left, the status is ``STOPPED_STATUS``: the ranks' own 255 read as
+    "FAILED 127:0" in sacct (SLURM folds a status above 128 into a signal's), a failure nobody
+    could explain, where a clean stop on SIGTERM (``scancel --signal=TERM``) is what happened."""
     living = dict(ranks)
     first: int | None = None
+    all_stopped = True  # every rank that ended non-zero left on a stop request
     kill_at = float("inf")
     while living:
         try:  # blocking while nothing is due: the launcher costs nothing while its ranks train
@@ -149,15 +159,19 @@ def supervise(ranks: Mapping[int, int], report: Report, grace_s: float = STOP_GR
         if rank is None or code == 0:
             continue
         report.ended(rank, code)
+        clean = stopped(rank)
+        all_stopped = all_stopped and clean
         if first is None:
             first = code
-            if stopped(rank):
+            if clean:
                 continue
             report.stopping(rank)
             signal_all(living, signal.SIGTERM)
             kill_at = time.monotonic() + grace_s
     if first is None:
         return 0
+    if all_stopped:
+        return STOPPED_STATUS
     return first if first > 0 else 128 - first
 
 

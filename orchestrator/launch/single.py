@@ -23,7 +23,7 @@ import submitit
 from submitit.local.local import LocalJob
 
 from orchestrator import atomic
-from orchestrator.config import ClusterConfig
+from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import provenance, submit
 from orchestrator.registry.db import (
     SINGLE_ENTRY,
@@ -56,15 +56,24 @@ class Recorded:
         return f"{self.sweep_id}/{SINGLE_NUM}"
 
 
+def shape(parallelism: ParallelismConfig) -> dict[str, Any]:
+    """What a single job records of its ranks, in the form a sweep job's resources take
+    (``status.num_ranks`` reads it): ``logs --rank 7`` of a 4-rank job is refused, not shown as a
+    log not written yet."""
+    return {"params": {"nodes": parallelism.nodes, "tasks_per_node": parallelism.tasks_per_node}}
+
+
 def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, log_dir: Path,
-           overrides: list[str], config_yaml: str, registry_path: str | Path | None = None) -> Recorded:
+           overrides: list[str], config_yaml: str, registry_path: str | Path | None = None,
+           resources: dict[str, Any] | None = None, total_steps: int | None = None) -> Recorded:
     """Record one submitted job (``executor``: slurm | local) as a sweep of one, already confirmed;
-    its resolved config goes where ``switchyard show`` reads a sweep job's."""
+    its resolved config goes where ``switchyard show`` reads a sweep job's. ``resources``: its
+    :func:`shape`; ``total_steps``: the steps it trains (``status`` shows STEP as step/total)."""
     atomic.write_text(Path(run_dir) / POINT_DIR / "config.yaml", config_yaml)
     with Registry(registry_path) as registry:
         sweep_id = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
                                          executor=executor, entry_path=SINGLE_ENTRY)
-        registry.add_jobs([Job(sweep_id, SINGLE_NUM, overrides, str(run_dir), {}, None)])
+        registry.add_jobs([Job(sweep_id, SINGLE_NUM, overrides, str(run_dir), resources or {}, total_steps)])
         if (origin := provenance.read(run_dir)) is not None:  # written at submission (at_submission)
             registry.record_provenance(sweep_id, {SINGLE_NUM: origin})
         attempt_id = registry.claim(sweep_id, [SINGLE_NUM])[SINGLE_NUM]
@@ -105,16 +114,17 @@ def _end(status: TaskStatus, run_dir: str | Path, code: int, error: str | None) 
 
 
 def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],
-                     config_yaml: str, announce: bool = True) -> Recorded | None:
-    """``record`` for a job just queued (``announce``: print its id); a registry that cannot take
-    it is a warning, not an error: the job runs anyway, and says so. A debug job (this process,
-    no scheduler) is not recorded: None."""
+                     config_yaml: str, parallelism: ParallelismConfig, announce: bool = True,
+                     total_steps: int | None = None) -> Recorded | None:
+    """``record`` for a job just queued with ``parallelism``'s ranks (``announce``: print its id);
+    a registry that cannot take it is a warning, not an error: the job runs anyway, and says so.
+    A debug job (this process, no scheduler) is not recorded: None."""
     if isinstance(job, submitit.DebugJob):
         return None
     executor = "local" if isinstance(job, LocalJob) else "slurm"
     try:
         recorded = record(app, command, run_dir, executor, str(job.job_id), Path(job.paths.folder),
-                          overrides, config_yaml)
+                          overrides, config_yaml, resources=shape(parallelism), total_steps=total_steps)
     except (RegistryError, sqlite3.Error, OSError) as e:
         print(f"warning: job {job.job_id} runs, but the registry did not record it: {e}", file=sys.stderr)
         return None

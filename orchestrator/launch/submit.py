@@ -35,6 +35,7 @@ from orchestrator.launch import (
     slurm_request,
     snapshot,
 )
+from orchestrator.registry.states import stopped_state
 
 R = TypeVar("R")
 
@@ -581,7 +582,7 @@ _STOPPED_LINE = re.compile(r"^.*\bstopped by [^\n]*$", re.MULTILINE)
 def stopped(job: submitit.Job[Any], outcomes: list[RankOutcome]) -> JobStoppedError:
     """The report of a job its ranks left on a stop request: its state, and where it stopped as
     rank 0's log says (the trainer: ``stopped by PREEMPTED at step 676; checkpoint in DIR``)."""
-    state = "CANCELLED" if isinstance(job, LocalJob) else final_state(job)
+    state = "CANCELLED" if isinstance(job, LocalJob) else stopped_state(final_state(job))
     try:
         said = _STOPPED_LINE.findall(_tasks(job)[0].paths.stdout.read_text(errors="replace"))
     except OSError:

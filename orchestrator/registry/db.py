@@ -143,6 +143,17 @@ MIGRATIONS: tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...] = (
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
+def _version_of_tables(tables: set[str]) -> int | None:
+    """The registry version whose file holds ``tables`` (each step above adds one; version 6 is 5
+    with the exclusions table sure to be there), or None when they are not a registry's."""
+    if not {"sweeps", "jobs", "attempts"} <= tables or tables - {
+            "sweeps", "jobs", "attempts", "results", "digests", "exclusions", "provenance"}:
+        return None
+    if "provenance" in tables:
+        return 6 if "exclusions" in tables else 5
+    return 4 if "exclusions" in tables else 3 if "digests" in tables else 2 if "results" in tables else 1
+
+
 class RegistryError(RuntimeError):
     """The registry cannot answer: unknown sweep or job, or an unreadable database."""
 
@@ -323,14 +334,38 @@ class Registry:
 
     def _version(self) -> int:
         """The file's schema version; one written by a newer Switchyard is refused, not relabelled
-        (its tables may mean what this version cannot know)."""
+        (its tables may mean what this version cannot know), and so is one whose stamp says it is
+        new or is no version at all while it holds tables (``_unstamped``)."""
         version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise RegistryError(
                 f"the sweep registry {self.path} was written by a newer Switchyard (registry version "
                 f"{version}; this one reads versions up to {SCHEMA_VERSION}): run the newer Switchyard, "
                 f"or set {REGISTRY_ENV} to another file for this one")
+        if version <= 0:
+            self._refuse_unstamped(version)
         return version
+
+    def _refuse_unstamped(self, version: int) -> None:
+        """A new file is at version 0 and empty. One at 0 (or below) that holds tables had its stamp
+        reset (a tool that rewrote the file, a copy made table by table): migrating it from 0 failed
+        on "table sweeps already exists". Its tables say which version it is: every step of the
+        schema's history adds a table, so the fix restores the stamp, and nothing is guessed here."""
+        tables = {name for (name,) in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+        if version == 0 and not tables:
+            return
+        own = _version_of_tables(tables)
+        stamp = f"its version stamp (PRAGMA user_version) is {version}"
+        if own is None:
+            raise RegistryError(
+                f"the sweep registry {self.path} is not one: {stamp} and it holds tables no registry has "
+                f"({', '.join(sorted(tables)) or 'none'}); set {REGISTRY_ENV} to another file")
+        fix = f"sqlite3.connect('{self.path}').execute('PRAGMA user_version = {own}')"
+        raise RegistryError(
+            f"the sweep registry {self.path} is damaged: {stamp}, but its tables are those of registry "
+            f"version {own} (something reset the stamp); restore it with python -c \"import sqlite3; "
+            f"{fix}\", or set {REGISTRY_ENV} to another file")
 
     def _use_wal(self) -> None:
         """WAL is a property of the file, set once; changing it needs a moment alone with the file.

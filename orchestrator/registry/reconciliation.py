@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from orchestrator.registry.db import Attempt, Observation, Registry
-from orchestrator.registry.states import QUEUED_STATES, SUBMIT_FAILED, SUBMITTING, TERMINAL_STATES
-from orchestrator.registry.status_file import TaskStatus
+from orchestrator.registry.states import (
+    QUEUED_STATES,
+    SUBMIT_FAILED,
+    SUBMITTING,
+    TERMINAL_STATES,
+    stopped_state,
+)
+from orchestrator.registry.status_file import TaskStatus, stopped_cleanly
 
 
 class StatesReply(Protocol):
@@ -31,6 +37,7 @@ class StatesReply(Protocol):
 # which holds the commands that ask (launch.slurm_query.query_states).
 AskSlurm = Callable[[list[str]], StatesReply]
 
+STOPPED_EXIT = 143  # 128 + SIGTERM: what a job's launcher exits with once its ranks stopped cleanly
 STALE_CLAIM_S = 600.0  # a SUBMITTING claim this old: its submitter died before sbatch answered
 SILENT_AFTER_S = 300.0  # SLURM (sacct and squeue) silent about a job this old: it is long gone
 _ARRAY_TASK = re.compile(r"^(\d+)_(\d+)$")
@@ -63,7 +70,7 @@ def base_id(slurm_id: str) -> str:
 
 
 def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, settled: bool,
-          now: float) -> Observation | None:
+          now: float, stopped: str | None = None) -> Observation | None:
     """What an attempt's state is now, from what SLURM (or the local process table) reported,
     what the task wrote, and whether its array has finished entirely; None when nothing is known.
 
@@ -71,13 +78,23 @@ def infer(attempt: Attempt, reported: str | None, status: TaskStatus | None, set
     makes the attempt COMPLETING while SLURM still calls it live (sacct lags the end by seconds,
     and a job requeued while it finished will run again), and ends it only when SLURM has no
     record to contradict it. Back in the queue, the report is a previous life's and is set aside.
+
+    ``stopped``: where the attempt stopped, when every rank left on a stop request
+    (``status_file.stopped_cleanly``). SLURM calls such a job FAILED when only its ranks were
+    signalled (``scancel --signal=TERM``): it saw them exit non-zero, not a cancel. It is recorded
+    CANCELLED, as ``switchyard cancel`` records the same stop, saying where it stopped.
     """
     fields: dict[str, Any] = {}
     if status is not None:
         fields = {"requeues": status.restarts, "started_at": status.started_at, "node": status.node,
                   "ended_at": status.ended_at, "exit_code": status.exit_code, "error": status.error}
     ended = status is not None and status.ended_at is not None
-    if reported in TERMINAL_STATES:
+    if reported == "FAILED" and stopped is not None:
+        state = stopped_state(reported)
+        fields.update(ended_at=fields.get("ended_at") or now,
+                      exit_code=fields.get("exit_code") or STOPPED_EXIT,
+                      error=f"stopped on a signal to its ranks (scancel --signal, or preemption): {stopped}")
+    elif reported in TERMINAL_STATES:
         state = str(reported)
         if state == "COMPLETED" and fields.get("exit_code") is None:
             fields["exit_code"] = 0
@@ -186,7 +203,10 @@ def reconcile(registry: Registry, sweep_ids: Sequence[int] | None = None,
         if a.slurm_id in unanswered:
             continue  # left as recorded until SLURM answers; the warning says so
         status = TaskStatus.read(u.run_dir, a.slurm_id) if a.slurm_id else None
-        seen = infer(a, reported.get(a.slurm_id or ""), status, (a.slurm_id or "") in settled, now)
+        said = reported.get(a.slurm_id or "")
+        # only where SLURM says FAILED: one listing of its log folder, once (the end is final)
+        stopped = stopped_cleanly(a.log_dir, a.slurm_id) if said == "FAILED" and a.slurm_id else None
+        seen = infer(a, said, status, (a.slurm_id or "") in settled, now, stopped)
         if seen is not None:
             observations.append(seen)
     return Reconciled(registry.observe(observations) if observations else 0, warnings)

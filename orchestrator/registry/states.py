@@ -38,3 +38,10 @@ def accepts(old_state: str, old_requeues: int, new_state: str, new_requeues: int
     if old_state == "CANCELLED":
         return new_state == "CANCELLED"
     return old_state not in FINAL_STATES or new_state in FINAL_STATES
+
+
+def stopped_state(reported: str) -> str:
+    """The state of an attempt whose every rank left cleanly on a stop request, given SLURM's:
+    where only the ranks were signalled (``scancel --signal=TERM``), SLURM saw them exit non-zero
+    and says FAILED; it is a stop, recorded CANCELLED as ``switchyard cancel`` records the same."""
+    return "CANCELLED" if reported == "FAILED" else reported

@@ -93,6 +93,18 @@ def launched_by_another_task() -> str | None:
             f"(start a sweep from one task: srun -n1, or outside srun)")
 
 
+def check_registry(path: str | None) -> None:
+    """The registry opens: one written by a newer Switchyard, damaged or with its version stamp
+    reset is refused while the sweep is still being checked, so a Switchyard app says it in one
+    ``error:`` line with exit 2 as a single job does (it was Hydra's two lines, its
+    HYDRA_FULL_ERROR hint and exit 1), before any snapshot is taken or anything is submitted."""
+    try:
+        with Registry(path):
+            pass
+    except RegistryError as e:
+        raise SweepError(str(e)) from e
+
+
 def launch(settings: LauncherSettings, hydra_context: HydraContext, task_function: Callable[..., Any],
            master: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
            state: SweepState) -> list[JobReturn]:
@@ -116,6 +128,7 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     wait = settings.wait if settings.wait is not None else _app_wait(points)
     if settings.executor == "local" and not wait:
         check_local_window(len(points), settings.array_parallelism)
+    check_registry(settings.registry)
     # checked: what fails from here on is not the user's input, and the jobs started below must
     # not inherit orchestrator.entry.hydra_app's HYDRA_FULL_ERROR
     task_started()

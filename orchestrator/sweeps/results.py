@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from orchestrator.registry.db import Attempt, Job, Registry, Result
@@ -22,11 +19,6 @@ from orchestrator.telemetry.files import read_end_summary
 from orchestrator.telemetry.summary import summarize
 
 LIVE_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})  # runtime still counts
-# The most a ``status`` call spends reading the files of jobs that ended since the last call. Each
-# ended job is read once and kept (0.2-1 ms, more on a loaded or shared file system), so 10,000 jobs
-# ending at once would otherwise make one call take seconds; the jobs left are shown as not read yet
-# and the next call reads on.
-READ_BUDGET_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +26,6 @@ class JobRow:
     job: Job
     attempt: Attempt | None
     result: Result  # progress, loss and memory: kept in the registry once the attempt ended
-    unread: bool = False  # ended, and its files not read yet (the call's read budget ran out)
 
     @property
     def step(self) -> int | None:
@@ -67,14 +58,14 @@ class JobRow:
                 "loss": self.loss, "runtime_s": self.runtime_s(now),
                 "started_at": a.started_at if a else None, "ended_at": a.ended_at if a else None,
                 "run_dir": self.job.run_dir, "log_dir": a.log_dir if a else None,
-                "memory": self.memory, "unread": self.unread}
+                "memory": self.memory}
 
 
 def last_metrics(run_dir: str) -> dict[str, Any] | None:
     """The last complete training line of RUN/metrics.jsonl (the trainer appends one per log step,
     and one per evaluation)."""
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+        with open(f"{run_dir}/metrics.jsonl", "rb") as f:  # not os.path.join: status reads thousands
             f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
             lines = f.read().splitlines()
     except OSError:
@@ -113,19 +104,15 @@ def _has_not_run(attempt: Attempt | None) -> bool:
         and attempt.started_at is None and attempt.requeues == 0
 
 
-def job_rows(registry: Registry, sweep_id: int, num: int | None = None, budget_s: float | None = None,
-             clock: Callable[[], float] = time.monotonic) -> list[JobRow]:
+def job_rows(registry: Registry, sweep_id: int, num: int | None = None) -> list[JobRow]:
     """Each job (or job ``num``) with its latest attempt and what its run directory shows.
 
     An attempt that has ended is read from its files once; its result is kept in the registry and
     later calls read that instead (a requeue or correction of the attempt drops it). A first
     attempt still queued has nothing to read yet. One still running is read each call: its
-    memory from what its sampler folded (``telemetry.fold``), never its samples.
-
-    ``budget_s``: stop reading ended jobs' files once that many seconds (of ``clock``) went into
-    it; the jobs left come back ``unread`` (no step, loss or memory: nothing guessed) and the next
-    call reads on from them. At least one is read per call, so every call makes progress. None:
-    read them all.
+    memory from what its sampler folded (``telemetry.fold``), never its samples. Every row is
+    whole: an ended job's files are a summary.json, rank 0's end summary or its sampler's fold,
+    each one small file, so 10,000 jobs killed at once are read in about a second.
     """
     if num is None:
         jobs = registry.jobs(sweep_id, resources=False)  # not shown: not decoded
@@ -135,22 +122,14 @@ def job_rows(registry: Registry, sweep_id: int, num: int | None = None, budget_s
         jobs, latest = [registry.job(sweep_id, num)], ({num: attempts[-1]} if attempts else {})
     kept = registry.results(sweep_id, num)
     rows, ended = [], []
-    spent, read = 0.0, 0  # seconds spent reading ended jobs' files this call, and how many
     for job in jobs:
         attempt = latest.get(job.num)
         result = kept.get(attempt.id) if attempt else None
         if result is None and _has_not_run(attempt):
             result = _NO_RESULT
-        elif result is None and attempt is not None and attempt.state not in TERMINAL_STATES:
-            result = read_result(job.run_dir)
-        elif result is None and budget_s is not None and read and spent >= budget_s:
-            rows.append(JobRow(job, attempt, _NO_RESULT, unread=True))
-            continue
         elif result is None:
-            start = clock()
             result = read_result(job.run_dir)
-            spent, read = spent + clock() - start, read + 1
-            if attempt is not None:
+            if attempt is not None and attempt.state in TERMINAL_STATES:
                 ended.append((attempt, result))
         rows.append(JobRow(job, attempt, result))
     if ended:
@@ -169,19 +148,19 @@ def job_memory(run_dir: str) -> dict[str, Any] | None:
     it failed, else from what each node's sampler folded so far (a run still going, or one killed
     outright): never more than ``fold.TAIL_BYTES`` of a node's raw samples."""
     try:
-        with open(os.path.join(run_dir, "summary.json"), "rb") as f:
+        with open(f"{run_dir}/summary.json", "rb") as f:
             memory = json.loads(f.read()).get("memory")
         return memory if isinstance(memory, dict) else None
     except (OSError, ValueError, AttributeError):
         pass
     try:  # one listing says which of the files below exist: none is looked for in vain
-        listing = set(os.listdir(os.path.join(run_dir, "telemetry")))
+        listing = set(os.listdir(f"{run_dir}/telemetry"))
     except OSError:
         return None  # no telemetry directory: nothing was sampled
     if "end-summary.json" in listing and (memory := read_end_summary(run_dir)) is not None:
         return memory
     try:
-        return summarize(Path(run_dir), listing)
+        return summarize(run_dir, listing)
     except (OSError, ValueError, KeyError, TypeError) as e:  # damaged files: said, not waited on
         why = f"no summary: its telemetry could not be read ({type(e).__name__}: {e})"
         return {"mode": "none", "num_samples": 0, "duration_s": 0.0,

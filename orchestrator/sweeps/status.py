@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from orchestrator.registry.db import (
 )
 from orchestrator.registry.reconciliation import Reconciled, reconcile
 from orchestrator.registry.states import RETRY_STATES, TERMINAL_STATES
-from orchestrator.sweeps.results import READ_BUDGET_S, JobRow, job_rows
+from orchestrator.sweeps.results import JobRow, job_rows
 from orchestrator.telemetry.summary import format_summary
 
 STATE_COLOURS = {"COMPLETED": "32", "RUNNING": "36", "COMPLETING": "36", "CONFIGURING": "36",
@@ -66,11 +67,21 @@ class Ref:
 MAX_ID = 2**63 - 1
 
 
+def ascii_digits(text: str, what: str) -> None:
+    """Ids and numbers are written in ASCII digits: Python's ``int`` and ``\\d`` also take
+    fullwidth (``１``) and Arabic-Indic (``١``) ones, and ``status １`` showed sweep 1."""
+    if any(c.isdigit() and not c.isascii() for c in text):
+        fixed = "".join(str(unicodedata.digit(c)) if c.isdigit() else c for c in text)
+        raise CommandError(f"{what} {shown(text)} is invalid: write it in the digits 0-9 "
+                           f"(try {shown(fixed)})")
+
+
 def parse_ref(registry: Registry, text: str, want_job: bool = False) -> Ref:
     """``12`` (a sweep), ``12/3`` (its job 3), or a SLURM id (``4711_3``, ``4711``, a local pid).
     The sweep and the job must exist: a job number past the sweep's end once read as a job with
     nothing to show (an empty table, "every job has already ended")."""
-    match = re.fullmatch(r"(\d+)(?:[/:](\d+))?", text.strip())
+    ascii_digits(text, "the id")
+    match = re.fullmatch(r"([0-9]+)(?:[/:]([0-9]+))?", text.strip())
     numbers = [int(n) for n in match.groups() if n is not None] if match else []
     if numbers and max(numbers) <= MAX_ID:
         if len(numbers) == 2:
@@ -175,9 +186,6 @@ def varying(jobs: Sequence[Job]) -> dict[int, list[str]]:
     return {j.num: [o for o in j.overrides if o not in shared] for j in jobs}
 
 
-UNREAD = "unread"  # STEP, LOSS and PEAK MEM of an ended job whose files this call did not read
-
-
 def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str = "slurm",
                sweep_jobs: Sequence[Job] | None = None) -> str:
     """``sweep_jobs``: every job of the sweep, when ``rows`` are some of them (the overrides they
@@ -189,10 +197,10 @@ def jobs_table(rows: Sequence[JobRow], colour: bool, now: float, executor: str =
     for r in rows:
         a = r.attempt
         state = a.state if a else "-"
-        read = [_progress(r), f"{r.loss:.4f}" if r.loss is not None else "-", peak_memory_text(r.result)]
         cells.append([r.job.ref, state, str(a.attempt) if a else "0", str(a.requeues) if a else "0",
                       (a.slurm_id or "-") if a else "-", (a.node or "-") if a else "-",
-                      *([UNREAD] * 3 if r.unread else read), format_duration(r.runtime_s(now)),
+                      _progress(r), f"{r.loss:.4f}" if r.loss is not None else "-",
+                      peak_memory_text(r.result), format_duration(r.runtime_s(now)),
                       " ".join(overrides[r.job.num]) or "-"])
         if colour:
             painters.append({1: paint(state, colour)})
@@ -241,11 +249,8 @@ def print_warnings(reconciled: Reconciled, out: IO[str]) -> None:
         print(f"warning: {warning}", file=out)
 
 
-def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[str] = sys.stdout,
-               read_all: bool = False, budget_s: float = READ_BUDGET_S,
-               clock: Callable[[], float] = time.monotonic) -> int:
-    """The sweeps, or one sweep's jobs. A sweep's table reads ended jobs' files for at most
-    ``budget_s`` seconds of ``clock`` (the rest show as not read yet; ``read_all``: every one)."""
+def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[str] = sys.stdout) -> int:
+    """The sweeps, or one sweep's jobs, every row whole (``results.job_rows``)."""
     if target is None:
         reconciled = reconcile(registry, ask_slurm=slurm_query.query_states)
         summaries = [sweep_summary(registry, s) for s in registry.sweeps()]
@@ -263,11 +268,9 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
     reconciled = reconcile(registry, [ref.sweep_id], ask_slurm=slurm_query.query_states)
     sweep, now = registry.sweep(ref.sweep_id), time.time()
     if ref.num is None:
-        # --json and --read-all read every ended job's files; a table reads for at most budget_s
-        rows = job_rows(registry, ref.sweep_id, budget_s=None if as_json or read_all else budget_s,
-                        clock=clock)
+        rows = job_rows(registry, ref.sweep_id)
         summary, sweep_jobs = sweep_summary(registry, sweep, rows), None
-    else:  # that job's files only, whatever the budget
+    else:  # that job's files only
         rows = job_rows(registry, ref.sweep_id, ref.num)
         summary, sweep_jobs = sweep_summary(registry, sweep), registry.jobs(ref.sweep_id, resources=False)
     if as_json:
@@ -284,12 +287,6 @@ def cmd_status(registry: Registry, target: str | None, as_json: bool, out: IO[st
     flags = [f"  {r.job.ref}: ! {flag}" for r in rows for flag in r.result.flags]
     if flags:  # idle GPUs, GPU 0 overload, a rank on another rank's GPU: worth a line each
         print("\nmemory warnings:\n" + "\n".join(flags), file=out)
-    unread = sum(r.unread for r in rows)
-    if unread:
-        print(f"\n{unread} ended job{'s' if unread != 1 else ''} not read yet ({UNREAD}: no step, loss or "
-              f"memory shown yet).\nEach call reads what ended jobs left for about {budget_s:g} s and keeps "
-              f"it, so the next call reads on;\n{command(registry, 'status', sweep.id, '--read-all')} reads "
-              f"them all now.", file=out)
     return 0
 
 

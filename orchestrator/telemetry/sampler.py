@@ -20,6 +20,7 @@ from orchestrator.telemetry.common import Record
 from orchestrator.telemetry.files import RankInfo, node_file, read_rank, telemetry_dir
 from orchestrator.telemetry.fold import NodeFold
 from orchestrator.telemetry.nvml import NVML_ERRORS, NvmlApi, NvmlChoice, resolve_nvml, visible_gpus
+from orchestrator.telemetry.summary import sampler_fold
 
 DEFAULT_INTERVAL_S = 5.0  # a sample: ~9 ms through NVML on an H100 node; 5 s still catches a slow leak
 
@@ -99,6 +100,7 @@ class MemorySampler:
             raise ValueError(f"telemetry interval_s={interval_s} is invalid: must be > 0 "
                              f"(try interval_s={DEFAULT_INTERVAL_S})")
         self.path = node_file(run_dir, node)
+        self._run_dir = Path(run_dir)
         self.node = node
         self.interval_s = interval_s
         self.attempt = attempt
@@ -190,7 +192,8 @@ class MemorySampler:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")  # noqa: SIM115 -- held open across samples, closed in stop()
             try:
-                self._fold = NodeFold.resume(self.path)  # what earlier attempts sampled into this file
+                # what earlier attempts sampled into this file, and the memory section kept with it
+                self._fold = sampler_fold(self._run_dir, self.path)
             except Exception as e:  # a damaged fold or line of an earlier attempt: the samples go on,
                 self._fold = None  # and readers fold the raw file's tail, saying so
                 print(f"memory sampler on {self.node}: cannot resume the fold of {self.path} "

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from orchestrator.telemetry.common import Record, gib, rank_list
 from orchestrator.telemetry.files import RankInfo, load_peaks, load_ranks, telemetry_dir
 from orchestrator.telemetry.flags import cross_device_flags, idle_flags, imbalance_flags, uss_imbalance_flags
-from orchestrator.telemetry.fold import read_digest
+from orchestrator.telemetry.fold import NodeFold, kept_memory, read_digest
 from orchestrator.telemetry.stats import Digest, GpuStats, RankStats
 
 
-def summarize(run_dir: Path, listing: Collection[str] | None = None) -> Record:
+def summarize(run_dir: str | Path, listing: Collection[str] | None = None) -> Record:
     """The ``memory`` section of summary.json: per-GPU and per-rank peaks, and flags. JSON-serialisable.
 
     Works on a run still in progress (it reads what has been sampled so far) and on one that
@@ -20,9 +21,53 @@ def summarize(run_dir: Path, listing: Collection[str] | None = None) -> Record:
     the samples (``fold``): its time does not grow with how long the run ran. ``listing``: the
     names in its telemetry directory, when the caller has listed it (``status``, for thousands of
     jobs: the ranks' and peaks' directories are not looked for where the listing has none).
+
+    A run of one node whose sampler's fold covers every sample is summarised from the memory
+    section that sampler kept with it (:func:`sampler_fold`): one file, nothing computed.
     """
-    digest, notes = read_digest(run_dir, listing)
-    return summary_of(run_dir, digest, notes, listing)
+    if listing is None:
+        try:
+            listing = set(os.listdir(f"{run_dir}/telemetry"))
+        except FileNotFoundError:
+            listing = set()
+    kept = _kept(run_dir, listing)
+    if kept is not None:
+        return kept
+    digest, notes = read_digest(Path(run_dir), listing)
+    return summary_of(Path(run_dir), digest, notes, listing)
+
+
+def sampler_fold(run_dir: Path, raw: Path) -> NodeFold:
+    """The fold a node's sampler keeps of ``raw``, with the run's memory section as that node's
+    samples give it, so a reader of a one-node run computes nothing (:func:`summarize`)."""
+    def memory_of(digest: Digest) -> Record:
+        stamp = _ranks_stamp(run_dir)  # before they are read: a rank registering meanwhile moves it
+        return {"ranks_stamp": stamp, "memory": summary_of(run_dir, digest)}
+
+    return NodeFold.resume(raw, memory_of)
+
+
+def _ranks_stamp(run_dir: str | Path, listing: Collection[str] | None = None) -> int | None:
+    """When a rank last (re-)registered: each registration renames a file into ``ranks/``, which
+    moves the directory's mtime. None: no rank registered."""
+    if listing is not None and "ranks" not in listing:
+        return None
+    try:
+        return os.stat(f"{run_dir}/telemetry/ranks").st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def _kept(run_dir: str | Path, listing: Collection[str]) -> Record | None:
+    """The memory section the sampler kept, if it still holds: every sample folded, no rank
+    registered since, and no rank's end peak written (the peaks come after the last fold)."""
+    if "peaks" in listing:
+        return None
+    kept = kept_memory(run_dir, listing)
+    if kept is None or kept.get("ranks_stamp") != _ranks_stamp(run_dir, listing):
+        return None
+    memory = kept.get("memory")
+    return memory if isinstance(memory, dict) else None
 
 
 def summarize_raw(run_dir: Path) -> Record:

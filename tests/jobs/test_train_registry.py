@@ -25,6 +25,10 @@ def test_a_single_local_train_run_is_in_switchyard_status(tmp_path: Path) -> Non
     (job,) = listed["jobs"]
     assert listed["sweep"]["app"] == "train" and listed["sweep"]["executor"] == "local"
     assert job["state"] == "COMPLETED" and job["run_dir"] == str(run_dir) and job["step"] == 4
+    assert job["total_steps"] == 4  # STEP was 4, not 4/4 as a sweep's job shows it
+    table = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "1"], env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert table.splitlines()[-1].split()[6] == "4/4", table
     # NODE, STARTED and RUNTIME were empty: only `switchyard run` ranks wrote the attempt's file
     assert job["node"] == socket.gethostname() and job["exit_code"] == 0
     assert job["started_at"] <= job["ended_at"] and job["runtime_s"] == job["ended_at"] - job["started_at"]

@@ -106,6 +106,24 @@ def test_a_wrong_id_is_one_error_line(where: dict[str, str], command: str, value
     assert_one_error_line(*call_cli(argv))
 
 
+@pytest.mark.parametrize("digits", ["０１２３４５６７８９", "٠١٢٣٤٥٦٧٨٩"], ids=["fullwidth", "arabic-indic"])
+def test_an_id_or_number_in_other_digits_is_one_error_line_naming_the_ascii_one(
+        where: dict[str, str], digits: str) -> None:
+    """``status １`` showed sweep 1 (``int`` and ``\\d`` take any Unicode digit), and
+    ``logs --rank ７`` read rank 7's log: each is now refused, naming what to type."""
+    sweep, registry = where["sweep"], ["--registry", where["registry"]]
+    other = "".join(digits[int(c)] for c in sweep)
+    for command, target in (("status", other), ("status", f"{other}/0"), ("show", f"{sweep}/{digits[0]}"),
+                            ("logs", f"{other}/0"), ("cancel", other)):
+        line = assert_one_error_line(*call_cli([command, target, *registry]))
+        fixed = target.replace(other, sweep).replace(digits[0], "0")
+        assert line == (f"switchyard {command}: error: the id {target!r} is invalid: write it in the "
+                        f"digits 0-9 (try {fixed!r})")
+    for option in ("--rank", "--attempt"):
+        line = assert_one_error_line(*call_cli(["logs", f"{sweep}/0", option, digits[1], *registry]))
+        assert f"argument {option}: {digits[1]!r} is invalid: write a whole number in the digits 0-9" in line
+
+
 NUMBERS = {
     "logs --rank": (["logs", "{sweep}/0", "--rank"], [HUGE, "-1", "2", "${", ESC, LONG]),
     "logs --attempt": (["logs", "{sweep}/0", "--attempt"], [HUGE, "-1", "0", "${", ESC, LONG]),

@@ -133,13 +133,21 @@ def test_srun_words_for_an_ending(code: int) -> None:
 
 def test_a_rank_that_left_on_a_stop_request_stops_nobody(tmp_path: Path) -> None:
     """Preemption: every rank stopped at the same step and exits 255 after the checkpoint; rank 0
-    may still be asking `scontrol requeue` when rank 1 has left, and must not be killed for it."""
+    may still be asking `scontrol requeue` when rank 1 has left, and must not be killed for it.
+    The launcher then exits 143 (128 + SIGTERM): its 255 read "FAILED 127:0" in sacct."""
     report = Report(tmp_path / "77_0_log.err", "n1")
     slow = fork_exiting(255, delay_s=1.5)
     code = supervise({fork_exiting(255): 1, slow: 0}, report, grace_s=0.1, stopped=lambda rank: True)
-    assert code == 255
+    assert code == 143
     text = (tmp_path / "77_0_log.err").read_text()
     assert "stopping" not in text and text.count("Exited with exit code 255") == 2  # rank 0 was not killed
+
+
+def test_a_rank_that_failed_beside_stopped_ones_gives_its_own_status(tmp_path: Path) -> None:
+    report = Report(tmp_path / "77_0_log.err", "n1")
+    code = supervise({fork_exiting(255): 0, fork_exiting(3, delay_s=0.5): 1}, report, grace_s=0.1,
+                     stopped=lambda rank: rank == 0)
+    assert code == 255  # the first that ended: not every rank stopped, so not a clean stop
 
 
 def test_an_arrays_script_starts_one_launcher_per_node_too(tmp_path: Path,

@@ -152,6 +152,32 @@ def test_infer_prefers_slurm_terminal_states_then_the_tasks_own_report() -> None
     assert seen is not None and (seen.exit_code, seen.node, seen.started_at) == (0, "n1", 10.0)
 
 
+def test_a_failed_job_whose_every_rank_stopped_cleanly_is_recorded_as_a_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scancel --signal=TERM`` signals the ranks only: each checkpoints, leaves its stop file and
+    exits, and SLURM says FAILED. It was recorded FAILED, no exit, no error; it is the stop
+    ``switchyard cancel`` records as CANCELLED. A rank without its stop file keeps it FAILED."""
+    with Registry(tmp_path / "r.db") as reg:
+        sweep_id = _sweep(reg, tmp_path, 2)
+        claims = reg.claim(sweep_id, [0, 1])
+        logs = tmp_path / "logs"
+        reg.confirm([Submitted(claims[n], f"7_{n}", "7", n, str(logs)) for n in (0, 1)])
+        logs.mkdir()
+        for n in (0, 1):
+            for rank in (0, 1):
+                (logs / f"7_{n}_{rank}_log.out").write_text("training\n")
+            (logs / f"7_{n}_0_log.out").write_text(f"stopped by PREEMPTED at step {40 + n}; checkpoint in C")
+            (logs / f"7_{n}_0_result.stopped").write_text("PREEMPTED")
+        (logs / "7_0_1_result.stopped").write_text("PREEMPTED")  # job 1's rank 1 left none: it failed
+        reply = slurm_query.StatesReply({"7_0": "FAILED", "7_1": "FAILED"}, frozenset({"7"}), ())
+        reconcile(reg, [sweep_id], ask_slurm=lambda ids: reply)
+        stopped, failed = (reg.attempts(sweep_id, n)[-1] for n in (0, 1))
+    assert (stopped.state, stopped.exit_code) == ("CANCELLED", 143)
+    assert stopped.error == ("stopped on a signal to its ranks (scancel --signal, or preemption): stopped by "
+                             "PREEMPTED at step 40; checkpoint in C")
+    assert (failed.state, failed.error) == ("FAILED", None)
+
+
 # ------------------------------------------------------------------------------------------------
 # Real concurrency: 100 processes at the same moment
 

@@ -7,7 +7,10 @@ with today's: a migration must meet what is really on users' disks.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +104,69 @@ def test_a_file_written_by_a_newer_switchyard_is_refused_naming_both_versions(tm
     with pytest.raises(RegistryError, match=said):
         Registry(path)
     assert version_of(path) == newer
+
+
+def tables_of(path: Path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        return {n for (n,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+
+
+@pytest.mark.parametrize("stamp", [0, -3])
+def test_a_populated_file_whose_version_stamp_was_reset_names_the_damage_and_the_fix(
+        tmp_path: Path, stamp: int) -> None:
+    """A registry at user_version 0 or below that holds sweeps said "table sweeps already exists"
+    (it was migrated as a new file): now the damage, the version its tables show and the command
+    that restores the stamp, which then opens it with every record kept."""
+    path = old_file(tmp_path / "r.db", 5)
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {stamp}")
+    with pytest.raises(RegistryError) as refused:
+        Registry(path)
+    fix = f"import sqlite3; sqlite3.connect('{path}').execute('PRAGMA user_version = 5')"
+    assert str(refused.value) == (
+        f"the sweep registry {path} is damaged: its version stamp (PRAGMA user_version) is {stamp}, but "
+        f"its tables are those of registry version 5 (something reset the stamp); restore it with "
+        f"python -c \"{fix}\", or set SWITCHYARD_REGISTRY to another file")
+    assert version_of(path) == stamp  # refused before anything was changed
+    exec(fix)  # the fix, as the user would run it
+    with Registry(path) as reg:
+        assert [(a.slurm_id, a.state) for a in reg.attempts(1, 0)] == [("77", "COMPLETED")]
+    assert version_of(path) == db.SCHEMA_VERSION
+
+
+def test_a_file_of_other_tables_without_a_stamp_is_not_taken_for_a_registry(tmp_path: Path) -> None:
+    """Registry tables were created beside the user's own in their SQLite file."""
+    path = tmp_path / "notes.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+    with pytest.raises(RegistryError, match=r"is not one: its version stamp \(PRAGMA user_version\) is 0 "
+                                            r"and it holds tables no registry has \(notes\)"):
+        Registry(path)
+    assert tables_of(path) == {"notes"}
+
+
+def test_the_tables_of_each_version_name_it(tmp_path: Path) -> None:
+    """What the damage message proposes is right for every version written, and for this one: a
+    new migration step must teach ``_version_of_tables`` its table."""
+    for version in RELEASED:
+        assert db._version_of_tables(tables_of(old_file(tmp_path / f"v{version}.db", version))) == version
+    with Registry(tmp_path / "new.db"):
+        pass
+    assert db._version_of_tables(tables_of(tmp_path / "new.db")) == db.SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("stamp", [db.SCHEMA_VERSION + 1, 0])
+def test_a_sweep_refused_for_its_registry_is_one_error_line_exit_2(tmp_path: Path, stamp: int) -> None:
+    """As a single job says it: a sweep printed two lines, Hydra's HYDRA_FULL_ERROR hint and exit 1."""
+    path = old_file(tmp_path / "r.db", 5)
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {stamp}")
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "-m", "optim.lr=0.1,0.2",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True,
+                          env={**os.environ, "SWITCHYARD_REGISTRY": str(path)}, timeout=300)
+    said = "was written by a newer Switchyard" if stamp else "is damaged: its version stamp"
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: the sweep registry {path} {said}") and "HYDRA" not in proc.stderr
+    assert proc.stderr.count("the sweep registry") == 1
+    assert not (tmp_path / "sweep" / ".switchyard").exists()  # nothing of the sweep recorded or submitted

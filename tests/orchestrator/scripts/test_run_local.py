@@ -52,6 +52,13 @@ def test_an_unmodified_ddp_script_runs_as_every_local_rank(tmp_path: Path) -> No
                             "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")}, check=True)
     (job,) = json.loads(status.stdout)["jobs"]
     assert job["state"] == "COMPLETED" and job["run_dir"] == str(run_dir)
+    # a rank the job does not have was "(empty: not written yet)", exit 0: the job records its ranks
+    logs = subprocess.run([sys.executable, "-m", "orchestrator.cli", "logs", "1/0", "--rank", "3"],
+                          capture_output=True, text=True, env={**os.environ,
+                          "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")})
+    assert (logs.returncode, logs.stdout) == (2, "")
+    assert logs.stderr == ("switchyard logs: error: --rank 3 is invalid: job 1/0 has 3 ranks (0..2) "
+                           "(try --rank 0)\n")
 
 
 def test_a_rank_exiting_3_fails_the_job_fast_naming_it_and_its_last_lines(tmp_path: Path) -> None:
