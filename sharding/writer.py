@@ -115,6 +115,11 @@ class DatasetWriter:
             raise DatasetError(f"shard_bytes={shard_bytes} is invalid: must be >= 8 "
                                f"(try shard_bytes={DEFAULT_SHARD_BYTES})")
         self.path = Path(path).absolute()
+        if self.path.is_symlink():
+            # output=LINK overwrite=true replaces the dataset the link names, and the link stays:
+            # the new dataset is built beside that one (a rename never crosses file systems) and
+            # renamed in where it lies. Renaming onto the link itself failed ("Is a directory").
+            self.path = self.path.resolve()
         self.shard_bytes = shard_bytes
         self.overwrite = overwrite
         self._schema: dict[str, FieldSpec] | None = None
@@ -305,7 +310,11 @@ class DatasetWriter:
             # A directory cannot be replaced atomically by rename: move the old dataset aside
             # first, so at every instant `path` is either the old dataset, absent, or the new one.
             old = _make_sibling_dir(self.path, "old")
-            os.replace(self.path, old)  # Linux renames a directory onto an empty one
+            try:
+                os.replace(self.path, old)  # Linux renames a directory onto an empty one
+            except OSError:
+                old.rmdir()  # still empty: nothing is left beside the dataset
+                raise
         os.rename(self._tmp, self.path)
         fsync_dir(self.path.parent)
         if old is not None:
