@@ -60,6 +60,7 @@ from sharding.format import (
     pad8,
     shard_file_names,
 )
+from sharding.lease import live_readers
 
 DEFAULT_SHARD_BYTES = 256 * 2**20
 _ZEROS = bytes(8)
@@ -92,6 +93,10 @@ def check_output(path: Path, overwrite: bool) -> None:
         raise DatasetError(f"{path} holds files that are not part of its dataset: {shown}{more}; "
                            f"overwrite=true would delete them with the old dataset: move them out "
                            f"(or choose another output)")
+    if readers := live_readers(path):
+        more = f" and {len(readers) - 1} more reader{'s' * (len(readers) > 2)}" if len(readers) > 1 else ""
+        raise DatasetError(f"{path} is being read by {readers[0]}{more}: overwrite=true would change "
+                           f"the data under that run; wait until it ends, or choose another output")
 
 
 class DatasetWriter:
