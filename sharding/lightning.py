@@ -22,15 +22,18 @@ datamodule of the other one's class would be refused by its Trainer).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
+import socket
 import sys
 from types import ModuleType
 from typing import Any, cast
 
 import torch
 
+from sharding import lease
 from sharding.loader import ShardedLoader, make_loader
 from sharding.partition import Policy
 from sharding.reader import ShardedDataset, open_dataset
@@ -163,6 +166,7 @@ class _DataModuleCore:
         self._train_fingerprint = ""
         self._whole_epoch = 0  # training batches per rank in a whole epoch at this world size
         self._fitted_by: Any = None  # the Trainer the training loader and its callback are for
+        self._leases: contextlib.ExitStack | None = None  # rank 0's, from setup to teardown
 
     # -- Lightning hooks -------------------------------------------------------------------
 
@@ -174,6 +178,8 @@ class _DataModuleCore:
         if getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
             raise LightningSetupError(REFUSAL)
         world, rank = int(trainer.world_size), int(trainer.global_rank)
+        if rank == 0 and self._leases is None:
+            self._leases = self._hold_leases()
         # A Trainer of its own for each fit: a second Trainer (a new fit of the same module) gets a
         # fresh sampler at its world size and the callback that advances it; a checkpoint it
         # resumes from is applied below, as for the first.
@@ -201,6 +207,21 @@ class _DataModuleCore:
             self._eval_loader = self._loader(dataset, self.eval_sampler, self.eval_batch_size, False)
         if self._pending is not None and self.train_sampler is not None:
             self._apply(self._pending)
+
+    def teardown(self, stage: str) -> None:
+        if self._leases is not None:
+            self._leases.close()
+            self._leases = None
+
+    def _hold_leases(self) -> contextlib.ExitStack:
+        """A lease on each dataset (``sharding.lease``), so ``jobs.prepare overwrite=true`` of one
+        is refused while this run reads it, naming the run."""
+        owner = (f"a Lightning run (rank 0, pid {os.getpid()} on {socket.gethostname()}, "
+                 f"{os.path.basename(sys.argv[0]) if sys.argv else 'python'} in {os.getcwd()})")
+        leases = contextlib.ExitStack()
+        for path in {self.train_path, self.eval_path} - {None}:
+            leases.enter_context(lease.hold(str(path), owner))
+        return leases
 
     def train_dataloader(self) -> ShardedLoader:
         if self._train_loader is None or self.train_sampler is None:

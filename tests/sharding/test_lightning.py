@@ -204,3 +204,30 @@ def test_a_data_module_reused_by_a_second_trainer_still_counts_its_batches(data:
         trainer(max_steps=steps, use_distributed_sampler=False).fit(Tiny(), datamodule=dm)
         state = dm.state_dict()  # each new fit starts the data from the epoch's start, as the model's
         assert state["batches_done"] == steps and state["sampler"]["segments"] == [[1, 4 * steps]]
+
+
+def test_a_fitting_module_holds_its_datasets_so_an_overwrite_is_refused(data: Path) -> None:
+    """jobs.prepare overwrite=true of the data a Lightning run reads went ahead; rank 0 holds a
+    lease on each of its datasets from setup to teardown now (sharding.lease)."""
+    from lightning_modules import AtTrainStart, Tiny, trainer
+
+    from sharding import DatasetError
+    from sharding.lease import readers_dir
+    from sharding.lightning import ShardedDataModule
+    from sharding.writer import check_output
+
+    refusals: list[str] = []
+
+    def try_overwrite() -> None:
+        for path in (data / "train", data / "eval"):
+            with pytest.raises(DatasetError) as refused:
+                check_output(path, overwrite=True)
+            refusals.append(str(refused.value))
+
+    dm = ShardedDataModule(train=data / "train", eval=data / "eval", batch_size=4)
+    trainer(max_steps=2, use_distributed_sampler=False, callbacks=[AtTrainStart(try_overwrite)]).fit(
+        Tiny(), datamodule=dm)
+    assert len(refusals) == 2
+    assert all(" is being read by a Lightning run (rank 0, pid " in refusal for refusal in refusals)
+    assert not readers_dir(data / "train").exists() and not readers_dir(data / "eval").exists()
+    check_output(data / "train", overwrite=True)  # the fit ended: nothing holds it
