@@ -75,7 +75,7 @@ def manifest_identity(root: Path) -> tuple[int, ...]:
     (``jobs.prepare overwrite=true``) renames a whole new directory in, so every one of these
     changes; comparing them is one stat, where re-reading and hashing the manifest is not."""
     try:
-        st = os.stat(root / MANIFEST_NAME)
+        st = os.stat(os.path.join(root, MANIFEST_NAME))  # a str join: a Path costs more than the stat
     except OSError as e:
         raise DatasetChangedError(f"{root}: its {MANIFEST_NAME} is gone ({e.strerror}): the dataset was "
                                   f"removed or is being replaced while this process reads it") from e
