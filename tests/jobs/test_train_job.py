@@ -345,5 +345,6 @@ def test_a_missing_num_classes_proposes_the_count_the_labels_need(tmp_path: Path
     """It proposed data.num_classes=10 whatever the labels were: 0..3 need 4."""
     path = labelled(tmp_path / "train", [0, 1, 2, 3] * 8)
     error = refused(tmp_path, f"data.path={path}")
-    assert error == (f"error: data.num_classes is needed with data.path='{path}' (the model's output size; "
-                     f"the dataset records no class list; its labels in 'y' go up to 3): try data.num_classes=4")
+    assert error == (f"error: data.num_classes is needed with data.path='{path}' (the model's output "
+                     f"size; the dataset records no class list; its labels in 'y' go up to 3): try "
+                     f"data.num_classes=4")
