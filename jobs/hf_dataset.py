@@ -63,12 +63,13 @@ def open_table(path: Path, split: str | None) -> Table:
                           "a directory written by save_to_disk") from e
         if isinstance(loaded, datasets.DatasetDict):
             splits = list(loaded)
+            choices = " or ".join(f"split={name}" for name in splits)  # every split it has
             if split is None and len(splits) != 1:
-                raise invalid("split", None, f"input={str(path)!r} has splits {splits}",
-                              f"split={splits[0]}")
+                raise ConfigError(f"split is needed: input={str(path)!r} is a DatasetDict of "
+                                  f"{len(splits)} splits, {', '.join(splits)}: name the one to "
+                                  f"prepare (try {choices})")
             if split is not None and split not in loaded:
-                raise invalid("split", split, f"input={str(path)!r} has splits {splits}",
-                              f"split={splits[0]}")
+                raise invalid("split", split, f"input={str(path)!r} has splits {splits}", choices)
             loaded = loaded[split or splits[0]]
         elif split is not None:
             raise invalid("split", split, f"input={str(path)!r} is one dataset without splits",

@@ -631,6 +631,8 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     kind, path = detect_format(cfg.input, cfg.format)
     check_keys_apply(kind, cfg)
     output = Path(cfg.output).expanduser().absolute()
+    if output.is_symlink():  # a link to a dataset: replaced where it lies (DatasetWriter does the same)
+        output = output.resolve()
     check_input_outside(kind, path, output, cfg.labels)
     check_output(output, cfg.overwrite)
     check_space(output, dataset_bytes(kind, path, cfg.tokenizer))

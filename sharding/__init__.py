@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sharding.collate import collate_padded, length_grouped_batches, padding_fraction
 from sharding.format import (
     CorruptDatasetError,
+    DatasetChangedError,
     DatasetError,
     FieldSpec,
     SchemaMismatchError,
@@ -91,6 +92,7 @@ __all__ = [
     "Batch",
     "BufferPool",
     "CorruptDatasetError",
+    "DatasetChangedError",
     "DatasetError",
     "DatasetWriter",
     "FieldSpec",

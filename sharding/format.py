@@ -52,6 +52,11 @@ class WriteError(DatasetError):
     output, the bytes written, the space left and the fix, and nothing was published."""
 
 
+class DatasetChangedError(DatasetError):
+    """The dataset at a path was replaced (or its manifest rewritten) after it was opened: what the
+    path holds now is not what the reader started with; the message names the path."""
+
+
 class CorruptDatasetError(DatasetError):
     """A file is missing, truncated, foreign or damaged; the message names the file and shard."""
 

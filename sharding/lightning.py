@@ -22,15 +22,18 @@ datamodule of the other one's class would be refused by its Trainer).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
+import socket
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from sharding import lease
 from sharding.loader import ShardedLoader, make_loader
 from sharding.partition import Policy
 from sharding.reader import ShardedDataset, open_dataset
@@ -78,22 +81,41 @@ def lightning_package() -> ModuleType:
 
 
 class _EpochLoader(ShardedLoader):
-    """A ShardedLoader whose length counts the batches of the epoch trained before a resume.
+    """A ShardedLoader whose length is a whole epoch's batches at this world size, and which
+    Lightning sees as resumable (``state_dict``/``load_state_dict``: its ``_Stateful``).
 
-    Lightning numbers a resumed epoch's batches from where the checkpoint stopped and ends the
-    epoch when that number reaches ``len(loader)`` (the contract of a resumable loader: the full
-    epoch's length, iterating only what is left). The sampler yields only what is left, so
-    ``batches_before`` is added: without it a resumed epoch ended early, skipping samples.
+    Lightning takes the length once per fit: it ends an epoch, and runs that epoch's validation,
+    when its batch count reaches it. A resumed epoch continues Lightning's count from the
+    checkpoint, while the sampler yields only what is left (``batches_left``), so the count
+    starts at ``batches_before``: the whole epoch's batches less those left. At another world
+    size that is not the count the checkpoint holds (the batches done were of another size), and
+    the data module moves Lightning's count there (``_DataModuleCore.train_dataloader``).
     """
 
-    batches_before = 0
-    # a whole epoch's batches at this world size: Lightning takes the length once per fit, so a
-    # resumed epoch's (batches done at another world size + those left here) must not cap the
-    # later epochs; a length above what is left ends the epoch when the batches run out
-    full_epoch = 0
+    batches_before = 0  # Lightning's count of this epoch's batches done before the loader's first
+    module: _DataModuleCore
+
+    def batches_left(self) -> int:
+        """The batches the sampler has left to yield in this epoch (all of them in a fresh one)."""
+        return ShardedLoader.__len__(self)
 
     def __len__(self) -> int:
-        return max(self.batches_before + super().__len__(), self.full_epoch)
+        return self.batches_before + self.batches_left()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch stands, as Lightning saves a resumable loader's state. The position
+        itself is restored from the data module's state (``ShardedDataModule.state_dict``), which
+        Lightning loads before this one: that one holds the sampler's exact place, and this one
+        only has to agree with it on the epoch (its batch count is Lightning's, which a resume at
+        another world size moves)."""
+        return self.module._position()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.module._position()
+        if state and state.get("epoch") != mine["epoch"]:
+            raise LightningSetupError(f"the checkpoint's training loader is at epoch {state.get('epoch')} "
+                                      f"but its ShardedDataModule state at epoch {mine['epoch']}: the "
+                                      f"checkpoint was changed after it was written; resume from another one")
 
 
 class _DataModuleCore:
@@ -140,7 +162,11 @@ class _DataModuleCore:
         self._batches_done = 0  # training batches of epoch _batches_epoch started so far
         self._batches_epoch = 0
         self._pending: dict[str, Any] | None = None  # a loaded state, applied once the loader exists
+        self._resumed = False  # a state was applied and the training loader not yet taken since
+        self._train_fingerprint = ""
+        self._whole_epoch = 0  # training batches per rank in a whole epoch at this world size
         self._fitted_by: Any = None  # the Trainer the training loader and its callback are for
+        self._leases: contextlib.ExitStack | None = None  # rank 0's, from setup to teardown
 
     # -- Lightning hooks -------------------------------------------------------------------
 
@@ -152,6 +178,8 @@ class _DataModuleCore:
         if getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
             raise LightningSetupError(REFUSAL)
         world, rank = int(trainer.world_size), int(trainer.global_rank)
+        if rank == 0 and self._leases is None:
+            self._leases = self._hold_leases()
         # A Trainer of its own for each fit: a second Trainer (a new fit of the same module) gets a
         # fresh sampler at its world size and the callback that advances it; a checkpoint it
         # resumes from is applied below, as for the first.
@@ -162,8 +190,11 @@ class _DataModuleCore:
                                                 seed=self.seed, policy=self.policy)
             loader = self._loader(dataset, self.train_sampler, self.batch_size, self.group_by_length)
             loader.__class__ = _EpochLoader  # same object, a length Lightning's resume can trust
-            loader.full_epoch = ShardedLoader.__len__(loader)  # a fresh sampler: the whole epoch
-            self._train_loader = loader  # type: ignore[assignment]
+            epoch_loader = cast(_EpochLoader, loader)
+            epoch_loader.module = self
+            self._whole_epoch = epoch_loader.batches_left()  # a fresh sampler: a whole epoch's batches
+            self._train_loader = epoch_loader
+            self._train_fingerprint = dataset.fingerprint
             advance = _classes()[1]
             mine = [c for c in trainer.callbacks if getattr(c, "module", None) is self]
             if not any(isinstance(c, advance) for c in mine):
@@ -177,13 +208,35 @@ class _DataModuleCore:
         if self._pending is not None and self.train_sampler is not None:
             self._apply(self._pending)
 
+    def teardown(self, stage: str) -> None:
+        if self._leases is not None:
+            self._leases.close()
+            self._leases = None
+
+    def _hold_leases(self) -> contextlib.ExitStack:
+        """A lease on each dataset (``sharding.lease``), so ``jobs.prepare overwrite=true`` of one
+        is refused while this run reads it, naming the run."""
+        owner = (f"a Lightning run (rank 0, pid {os.getpid()} on {socket.gethostname()}, "
+                 f"{os.path.basename(sys.argv[0]) if sys.argv else 'python'} in {os.getcwd()})")
+        leases = contextlib.ExitStack()
+        for path in {self.train_path, self.eval_path} - {None}:
+            leases.enter_context(lease.hold(str(path), owner))
+        return leases
+
     def train_dataloader(self) -> ShardedLoader:
         if self._train_loader is None or self.train_sampler is None:
             raise LightningSetupError("ShardedDataModule has no training data: pass train=PATH")
         epoch = int(self.trainer.current_epoch)
         self.train_sampler.set_epoch(epoch)  # a fresh epoch; the loaded one continues as it is
-        self._train_loader.batches_before = self._batches_this_epoch()
-        return self._train_loader
+        loader = self._train_loader
+        done = self._batches_this_epoch()
+        # the resumed epoch ends, and validates, where a whole one does
+        loader.batches_before = max(self._whole_epoch - loader.batches_left(), 0) if done else 0
+        if self._resumed and done != loader.batches_before:
+            _move_batch_count(self.trainer, loader.batches_before - done)
+            self._batches_done = loader.batches_before  # counted as Lightning counts from here
+        self._resumed = False
+        return loader
 
     def val_dataloader(self) -> ShardedLoader:
         if self._eval_loader is None:
@@ -198,7 +251,7 @@ class _DataModuleCore:
         if self.train_sampler is None:
             return {}
         return {"version": STATE_VERSION, "sampler": self.train_sampler.state_dict(),
-                "batches_done": self._batches_this_epoch()}
+                "batches_done": self._batches_this_epoch(), "fingerprint": self._train_fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -215,11 +268,18 @@ class _DataModuleCore:
     def _apply(self, state: dict[str, Any]) -> None:
         if self.train_sampler is None:
             raise LightningSetupError("ShardedDataModule has no training sampler to resume")
+        saved = state.get("fingerprint")  # absent in checkpoints written before it was recorded
+        if saved is not None and saved != self._train_fingerprint:
+            raise LightningSetupError(
+                f"ShardedDataModule(train={str(self.train_path)!r}) is dataset {self._train_fingerprint}, "
+                f"but the checkpoint was trained on dataset {saved}: the data changed since (another "
+                f"dataset, or this one prepared again), so its position means other samples here; "
+                f"resume with the dataset it was trained on, or start a new run without ckpt_path")
         self.train_sampler.load_state_dict(state["sampler"])
         # Lightning resumes its batch count from the checkpoint: at the same world size or
         # another, this stretch's batches follow the ones done (see _EpochLoader).
         self._batches_done, self._batches_epoch = int(state["batches_done"]), self.train_sampler.epoch
-        self._pending = None
+        self._pending, self._resumed = None, True
 
     def _loader(self, dataset: ShardedDataset, sampler: ShardedSampler, batch_size: int,
                 group_by_length: bool) -> ShardedLoader:
@@ -236,12 +296,31 @@ class _DataModuleCore:
         self._batches_done = self._batches_this_epoch() + 1
         self._batches_epoch = self.train_sampler.epoch
 
+    def _position(self) -> dict[str, Any]:
+        """The training epoch and Lightning's count of its batches started (every rank alike)."""
+        epoch = self.train_sampler.epoch if self.train_sampler is not None else 0
+        return {"epoch": epoch, "batches_done": self._batches_this_epoch()}
+
     def _batches_this_epoch(self) -> int:
         """Training batches started in the sampler's epoch (Lightning sets each epoch on the
         sampler itself, so a count of another epoch is stale)."""
         if self.train_sampler is None or self._batches_epoch != self.train_sampler.epoch:
             return 0
         return self._batches_done
+
+
+def _move_batch_count(trainer: Any, by: int) -> None:
+    """Move Lightning's count of the current epoch's training batches by ``by``, keeping how its
+    counters (ready, started, processed, completed) stand to each other, which its restart logic
+    reads. Only at a resume at another world size: the checkpoint counted batches of another
+    size, and the epoch must end at a whole epoch's count here for its validation to run."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None:
+        return  # no Lightning loop to move (a stand-in trainer)
+    counts = progress.current
+    for name in ("ready", "started", "processed", "completed"):
+        setattr(counts, name, max(getattr(counts, name) + by, 0))
 
 
 def _advance_callback_class(pl: ModuleType) -> type:

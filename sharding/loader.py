@@ -382,6 +382,12 @@ class ShardedLoader(DataLoader[Batch]):
         self.ring_slots = ring_slots
         self.worker_ignores = worker_ignores
 
+    def __iter__(self) -> Any:
+        # each epoch's start: the dataset at the path must still be the one opened (one stat);
+        # persistent workers reuse their maps, and new ones would map whatever the path holds
+        cast(RankDataset, self.dataset).dataset.check_unchanged()
+        return super().__iter__()
+
     def _get_iterator(self) -> Any:
         if self.num_workers == 0 or not self.worker_ignores:
             return self._start_workers()

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from sharding.format import (
+    MANIFEST_NAME,
     OFFSET_DTYPE,
+    DatasetChangedError,
     DatasetError,
     FieldSpec,
     FieldStats,
@@ -56,6 +58,7 @@ def open_dataset(
     """Open the dataset at ``path``: check manifest, magic, version and sizes; map nothing yet."""
     root = Path(path).absolute()
     manifest = read_manifest(root)
+    identity = manifest_identity(root)
     head_of = index_head_encoder(manifest.schema)
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -64,7 +67,19 @@ def open_dataset(
                 _check_shard_files(root, number, info, manifest)  # raises, naming what differs
     finally:
         os.close(dir_fd)
-    return ShardedDataset(root, manifest, max_open_shards=max_open_shards)
+    return ShardedDataset(root, manifest, max_open_shards=max_open_shards, identity=identity)
+
+
+def manifest_identity(root: Path) -> tuple[int, ...]:
+    """Which manifest file ``root`` holds now: device, inode, size, mtime and ctime. A publish
+    (``jobs.prepare overwrite=true``) renames a whole new directory in, so every one of these
+    changes; comparing them is one stat, where re-reading and hashing the manifest is not."""
+    try:
+        st = os.stat(os.path.join(root, MANIFEST_NAME))  # a str join: a Path costs more than the stat
+    except OSError as e:
+        raise DatasetChangedError(f"{root}: its {MANIFEST_NAME} is gone ({e.strerror}): the dataset was "
+                                  f"removed or is being replaced while this process reads it") from e
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def shard_files_match(dir_fd: int, info: ShardInfo, head: bytes | None) -> bool:
@@ -175,7 +190,8 @@ class ShardedDataset:
     """
 
     def __init__(
-        self, root: Path, manifest: Manifest, *, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS
+        self, root: Path, manifest: Manifest, *, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+        identity: tuple[int, ...] | None = None,
     ):
         if max_open_shards < 1:
             raise DatasetError(f"max_open_shards={max_open_shards} is invalid: must be >= 1")
@@ -189,6 +205,8 @@ class ShardedDataset:
         self._length = self._ends[-1] if self._ends else 0
         self._field_numbers = {name: k for k, name in enumerate(manifest.schema)}
         self._fingerprint = fingerprint(manifest)
+        # the manifest file this dataset was read from (manifest_identity); None: never checked
+        self._identity = identity
         self._init_process_state()
 
     def _init_process_state(self) -> None:
@@ -470,8 +488,23 @@ class ShardedDataset:
 
     # -- mapping -----------------------------------------------------------------------------
 
+    def check_unchanged(self) -> None:
+        """Raise DatasetChangedError if the path no longer holds the dataset opened: its manifest
+        is another file (a publish over it) or gone. One stat: readers call it at each epoch's
+        start and before mapping a shard, never per sample, so a run cannot go on reading another
+        dataset's shards under the samples' old numbers."""
+        if self._identity is None or manifest_identity(self.root) == self._identity:
+            return
+        now = _manifest_fingerprint_now(self.root)
+        raise DatasetChangedError(
+            f"{self.root} was replaced while this run reads it: it was dataset {self._fingerprint} "
+            f"when the run opened it and is {now} now (jobs.prepare overwrite=true, or a copy over "
+            f"it), so the samples are no longer the ones the run started with. Restore the dataset "
+            f"and resume, or train on the new one in a new run directory")
+
     def _map(self, shard: int) -> _MappedShard:
         """Map one shard in this process, check it, and remember it (evicting the oldest map)."""
+        self.check_unchanged()  # a map reads the files at the path: they must still be this dataset's
         if len(self._open_order) >= self.max_open_shards:
             oldest = next(iter(self._open_order))
             del self._open_order[oldest]
@@ -497,6 +530,14 @@ class ShardedDataset:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _manifest_fingerprint_now(root: Path) -> str:
+    """The fingerprint of the manifest at ``root`` now, for the message; what went wrong if none."""
+    try:
+        return f"dataset {fingerprint(read_manifest(root))}"
+    except DatasetError as e:
+        return f"unreadable ({e})"
 
 
 def _map_shard(root: Path, shard: int, manifest: Manifest) -> _MappedShard:

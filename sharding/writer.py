@@ -60,6 +60,7 @@ from sharding.format import (
     pad8,
     shard_file_names,
 )
+from sharding.lease import live_readers
 
 DEFAULT_SHARD_BYTES = 256 * 2**20
 _ZEROS = bytes(8)
@@ -92,6 +93,10 @@ def check_output(path: Path, overwrite: bool) -> None:
         raise DatasetError(f"{path} holds files that are not part of its dataset: {shown}{more}; "
                            f"overwrite=true would delete them with the old dataset: move them out "
                            f"(or choose another output)")
+    if readers := live_readers(path):
+        more = f" and {len(readers) - 1} more reader{'s' * (len(readers) > 2)}" if len(readers) > 1 else ""
+        raise DatasetError(f"{path} is being read by {readers[0]}{more}: overwrite=true would change "
+                           f"the data under that run; wait until it ends, or choose another output")
 
 
 class DatasetWriter:
@@ -115,6 +120,11 @@ class DatasetWriter:
             raise DatasetError(f"shard_bytes={shard_bytes} is invalid: must be >= 8 "
                                f"(try shard_bytes={DEFAULT_SHARD_BYTES})")
         self.path = Path(path).absolute()
+        if self.path.is_symlink():
+            # output=LINK overwrite=true replaces the dataset the link names, and the link stays:
+            # the new dataset is built beside that one (a rename never crosses file systems) and
+            # renamed in where it lies. Renaming onto the link itself failed ("Is a directory").
+            self.path = self.path.resolve()
         self.shard_bytes = shard_bytes
         self.overwrite = overwrite
         self._schema: dict[str, FieldSpec] | None = None
@@ -305,7 +315,11 @@ class DatasetWriter:
             # A directory cannot be replaced atomically by rename: move the old dataset aside
             # first, so at every instant `path` is either the old dataset, absent, or the new one.
             old = _make_sibling_dir(self.path, "old")
-            os.replace(self.path, old)  # Linux renames a directory onto an empty one
+            try:
+                os.replace(self.path, old)  # Linux renames a directory onto an empty one
+            except OSError:
+                old.rmdir()  # still empty: nothing is left beside the dataset
+                raise
         os.rename(self._tmp, self.path)
         fsync_dir(self.path.parent)
         if old is not None:

@@ -70,5 +70,6 @@ def uninterrupted(train: Path, world: int, epochs: int, batch_size: int = 4
             for batch in module.train_dataloader():
                 advance.on_train_batch_start(trainer, None, batch, len(batches))
                 batches.append((epoch, batch["index"][~batch["is_pad"]].tolist()))
+        module.teardown("fit")  # as a Trainer ends a fit: rank 0's dataset leases are released
         ranks.append(batches)
     return ranks

@@ -4,6 +4,7 @@ Lightning (about 3 s of CPU, torchmetrics and transformers with it), not every w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -36,6 +37,16 @@ class Recorder(pl.Callback):
         self.batches.append(batch["index"][~batch["is_pad"]].tolist())
         if len(self.batches) == self.save_at and self.path is not None:
             trainer.save_checkpoint(self.path)  # type: ignore[attr-defined]
+
+
+class AtTrainStart(pl.Callback):
+    """Calls ``probe()`` when training starts (the data module is set up, its leases held)."""
+
+    def __init__(self, probe: Callable[[], None]) -> None:
+        self.probe = probe
+
+    def on_train_start(self, trainer: object, module: object) -> None:
+        self.probe()
 
 
 def trainer(**options: object) -> pl.Trainer:

@@ -19,6 +19,7 @@ Python, torch and Switchyard's dependencies, not Switchyard.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib.metadata
@@ -375,13 +376,33 @@ def check(container: ContainerConfig, dry_run: bool = False, srun_help: str | No
     return warnings
 
 
+IMAGE_SUFFIXES = (".sif", ".sqsh", ".squashfs", ".img")
+# what a registry image looks like to each runtime, proposed when no image file lies near the path
+REGISTRY_EXAMPLES = {"apptainer": "docker://pytorch/pytorch", "pyxis": "nvcr.io#nvidia/pytorch:24.05-py3"}
+
+
 def check_image_file(container: ContainerConfig) -> None:
-    """A local image file that is not there: refused, naming it."""
+    """A local image file that is not there: refused, naming it and the image files beside it."""
     image = str(container.image)
     if is_local_file(image) and not Path(image).expanduser().is_file():
-        example = "/images/torch.sif" if container.runtime == "apptainer" else "/images/torch.sqsh"
         raise invalid("cluster.container.image", image, "no such file on this machine",
-                      f"cluster.container.image=<an existing image file, e.g. {example}>")
+                      _image_fix(Path(image).expanduser().absolute(), container.runtime))
+
+
+def _image_fix(missing: Path, runtime: str) -> str:
+    """The image file in the same folder whose name is closest to the missing one's; where there
+    is none, a registry image in the runtime's syntax (never the refused path again)."""
+    folder = missing.parent
+    nearby = sorted(p.name for p in folder.iterdir()
+                    if p.suffix in IMAGE_SUFFIXES and p.is_file()) if folder.is_dir() else []
+    if nearby:
+        closest = difflib.get_close_matches(missing.name, nearby, n=1, cutoff=0)[0]
+        rest = [n for n in nearby if n != closest]
+        others = f"; {folder} also holds {', '.join(rest)}" if rest else ""
+        return f"cluster.container.image={folder / closest}{others}"
+    where = f"{folder} holds no image file" if folder.is_dir() else f"{folder} does not exist"
+    return (f"the path of an image file you built ({where}), or a registry image: "
+            f"cluster.container.image={REGISTRY_EXAMPLES.get(runtime, REGISTRY_EXAMPLES['apptainer'])}")
 
 
 def _srun_help() -> str:

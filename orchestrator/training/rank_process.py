@@ -23,6 +23,7 @@ from orchestrator.telemetry.files import clear_end_summary, register_rank
 from orchestrator.telemetry.preflight import preflight
 from orchestrator.training import memory_report, resume, runtime, startup
 from orchestrator.training.trainer import DataPaths, Trainer
+from sharding import lease
 
 # What every rank imports before its first step: this module and the trainer, and the
 # ``torch._dynamo`` DDP's constructor imports; fsdp's stack where the run shards.
@@ -44,9 +45,9 @@ def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, An
     """One rank's run, start to summary.
 
     Rank 0 holds the run directory's lock, and the checkpoint directory's, for the whole run
-    (``run_lock``). Preflight runs before the process group, so a GPU-count mismatch fails in
-    seconds instead of after the rendezvous; one memory sampler per node (local rank 0) runs for
-    the whole job.
+    (``run_lock``), and a lease on each dataset it reads (``sharding.lease``). Preflight runs
+    before the process group, so a GPU-count mismatch fails in seconds instead of after the
+    rendezvous; one memory sampler per node (local rank 0) runs for the whole job.
     """
     env, run = dist_env.detect(), Path(run_dir)
     with contextlib.ExitStack() as held:
@@ -57,6 +58,9 @@ def train_rank(cfg: TrainConfig, paths: DataPaths, run_dir: str) -> dict[str, An
                 checkpoints = resume.checkpoint_dir(cfg, run)
                 if checkpoints.resolve() != run.resolve():
                     held.enter_context(run_lock.hold(checkpoints, owner, "checkpoint.dir"))
+            # a lease on each dataset it reads: jobs.prepare overwrite=true refuses, naming this run
+            for dataset in {paths.train, paths.eval} - {None}:
+                held.enter_context(lease.hold(str(dataset), f"{owner}, run directory {run}"))
         return _train_rank(cfg, paths, run, env)
 
 

@@ -152,16 +152,18 @@ class Fsdp(Ddp):
         if self.rt.env.world_size == 1:
             return self.wrap(builder())
         model = on_meta(builder)
-        if model is None:  # every rank runs the same factory: all of them land here, with the same
-            return self.wrap(builder())  # random state, so what the factory initialises is equal
+        if model is None or _non_persistent_buffers(model):
+            # every rank lands here (the same factory, the same structure), with the seeded random
+            # state on_meta left as it found it: one build each draws what ddp's one build draws.
+            # A build after rank 0's host build would start from the state that one left, and
+            # initialise other weights than ddp does on the same seed.
+            return self.wrap(builder())
         full = builder().state_dict() if self.rt.is_main else {}
         after = torch.get_rng_state()
         # every rank leaves with the random state one host build leaves, as every rank does under ddp
         box = [after if self.rt.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)
         torch.set_rng_state(cast(torch.Tensor, box[0]))
-        if _non_persistent_buffers(model):
-            return self.wrap(builder())
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         self.wrap(model)

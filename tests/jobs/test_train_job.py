@@ -339,3 +339,12 @@ def test_a_failing_run_leaves_its_memory_summary_for_status(tmp_path: Path,
     rerun = train(tmp_path, "telemetry.interval_s=0.05", "optim.max_steps=2")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert not (run_dir / "telemetry" / "end-summary.json").exists()
+
+
+def test_a_missing_num_classes_proposes_the_count_the_labels_need(tmp_path: Path) -> None:
+    """It proposed data.num_classes=10 whatever the labels were: 0..3 need 4."""
+    path = labelled(tmp_path / "train", [0, 1, 2, 3] * 8)
+    error = refused(tmp_path, f"data.path={path}")
+    assert error == (f"error: data.num_classes is needed with data.path='{path}' (the model's output "
+                     f"size; the dataset records no class list; its labels in 'y' go up to 3): try "
+                     f"data.num_classes=4")

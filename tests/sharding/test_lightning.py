@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from importlib.util import find_spec
 from pathlib import Path
@@ -24,6 +25,7 @@ from lightning_helpers import (
     write_data,
 )
 
+from sharding import DatasetWriter, open_dataset
 from sharding.lightning import REFUSAL, LightningSetupError, sample_sums
 
 # Lightning itself is imported by the tests that fit in this process (lightning_modules), not here
@@ -82,6 +84,14 @@ def test_an_interrupted_epoch_resumes_exactly_at_the_same_world_size_and_at_anot
         counts = Counter(i for rank in (0, 1) for e, batch in seen(data / "other", rank) if e == epoch
                          for i in batch)
         assert sorted(counts) == list(range(TRAIN_SAMPLES)) and set(counts.values()) == {1}, epoch
+    # the resumed epoch validates too (epoch 0's line is the cut's, at world 2): its batch count
+    # stopped short of the length Lightning took, so its end-of-epoch validation never ran
+    assert eval_counts(data / "other", 0) == [EVAL_SAMPLES] * 3
+    # Lightning sees the loader resume (its state_dict/load_state_dict): no "not resumable" warning
+    logs = "".join(p.read_text() for run_dir in ("cut", "other")
+                   for p in (data / run_dir / "submitit").glob("*_log.*"))
+    assert "resumed from" in logs or "Restoring states from the checkpoint" in logs
+    assert "not resumable" not in logs
 
 
 def test_sample_sums_leave_padding_entries_out() -> None:
@@ -141,13 +151,44 @@ def test_the_standalone_pytorch_lightning_package_works_too(data: Path) -> None:
 
 
 def test_a_length_grouped_epoch_resumes_at_the_next_batch_in_process(data: Path) -> None:
+    """Exactly, and without Lightning's warning that the loader is "not resumable ... unreliable
+    results", which every mid-epoch resume printed: Lightning now sees the loader's state."""
     from lightning_modules import Recorder, fit
 
     whole = Recorder(save_at=17, path=data / "mid.ckpt")  # 12 batches an epoch: epoch 1, batch 5
     fit(data, whole)
     resumed = Recorder()
-    fit(data, resumed, ckpt=data / "mid.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(data, resumed, ckpt=data / "mid.ckpt")
     assert len(whole.batches) == 24 and resumed.batches == whole.batches[17:]
+    assert not [w for w in caught if "not resumable" in str(w.message)]
+
+
+def test_a_resume_on_another_dataset_with_the_same_shard_counts_is_refused(data: Path) -> None:
+    """Its position would mean other samples there: it went on silently, as the sampler checks
+    only the shard counts. The dataset's fingerprint is in the checkpoint now."""
+    from lightning_modules import Recorder, Tiny, trainer
+
+    from sharding.lightning import ShardedDataModule
+
+    save = Recorder(save_at=5, path=data / "mid.ckpt")
+    trainer(max_epochs=1, use_distributed_sampler=False, callbacks=[save]).fit(
+        Tiny(), datamodule=ShardedDataModule(train=data / "train", batch_size=8))
+    shutil.copytree(data / "train", data / "again")
+    changed = data / "relabelled"  # the same samples' sizes, so the same shard counts; other labels
+    with DatasetWriter(changed, shard_bytes=2048) as writer:
+        for sample in map(open_dataset(data / "train").sample, range(TRAIN_SAMPLES)):
+            writer.append({"x": sample["x"], "y": (sample["y"] + 1) % 4})
+    assert open_dataset(changed).shard_counts == open_dataset(data / "train").shard_counts
+    with pytest.raises(LightningSetupError) as refused:
+        trainer(max_epochs=1, use_distributed_sampler=False).fit(
+            Tiny(), datamodule=ShardedDataModule(train=changed, batch_size=8), ckpt_path=data / "mid.ckpt")
+    assert f"ShardedDataModule(train={str(changed)!r}) is dataset" in str(refused.value)
+    assert "resume with the dataset it was trained on" in str(refused.value)
+    # the same dataset elsewhere (a copy) resumes: its fingerprint is its content, not its path
+    trainer(max_epochs=1, use_distributed_sampler=False).fit(
+        Tiny(), datamodule=ShardedDataModule(train=data / "again", batch_size=8), ckpt_path=data / "mid.ckpt")
 
 
 def test_a_data_module_reused_by_a_second_trainer_still_counts_its_batches(data: Path) -> None:
@@ -163,3 +204,30 @@ def test_a_data_module_reused_by_a_second_trainer_still_counts_its_batches(data:
         trainer(max_steps=steps, use_distributed_sampler=False).fit(Tiny(), datamodule=dm)
         state = dm.state_dict()  # each new fit starts the data from the epoch's start, as the model's
         assert state["batches_done"] == steps and state["sampler"]["segments"] == [[1, 4 * steps]]
+
+
+def test_a_fitting_module_holds_its_datasets_so_an_overwrite_is_refused(data: Path) -> None:
+    """jobs.prepare overwrite=true of the data a Lightning run reads went ahead; rank 0 holds a
+    lease on each of its datasets from setup to teardown now (sharding.lease)."""
+    from lightning_modules import AtTrainStart, Tiny, trainer
+
+    from sharding import DatasetError
+    from sharding.lease import readers_dir
+    from sharding.lightning import ShardedDataModule
+    from sharding.writer import check_output
+
+    refusals: list[str] = []
+
+    def try_overwrite() -> None:
+        for path in (data / "train", data / "eval"):
+            with pytest.raises(DatasetError) as refused:
+                check_output(path, overwrite=True)
+            refusals.append(str(refused.value))
+
+    dm = ShardedDataModule(train=data / "train", eval=data / "eval", batch_size=4)
+    trainer(max_steps=2, use_distributed_sampler=False, callbacks=[AtTrainStart(try_overwrite)]).fit(
+        Tiny(), datamodule=dm)
+    assert len(refusals) == 2
+    assert all(" is being read by a Lightning run (rank 0, pid " in refusal for refusal in refusals)
+    assert not readers_dir(data / "train").exists() and not readers_dir(data / "eval").exists()
+    check_output(data / "train", overwrite=True)  # the fit ended: nothing holds it

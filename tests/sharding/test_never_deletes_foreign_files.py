@@ -49,6 +49,27 @@ def test_overwrite_still_replaces_a_dataset_that_holds_only_its_own_files(tmp_pa
     assert len(open_dataset(dataset)) == 4
 
 
+@pytest.mark.parametrize("through", ["prepare", "writer"])
+def test_overwrite_through_a_symlink_replaces_the_dataset_it_names_and_leaves_nothing(
+        tmp_path: Path, through: str) -> None:
+    """``output=LINK overwrite=true``: the publish renamed onto the link itself and failed with "Is a
+    directory after 0.0 MB of data", leaving an empty ``.LINK.old-*`` directory behind."""
+    (tmp_path / "store").mkdir()
+    dataset, link = tmp_path / "store" / "D", tmp_path / "link"
+    _prepare(_raw(tmp_path / "raw.pt"), dataset)
+    link.symlink_to(dataset)
+    if through == "prepare":
+        _prepare(_raw(tmp_path / "raw4.pt", n=4), link, overwrite=True)
+    else:
+        with DatasetWriter(link, overwrite=True) as writer:
+            for i in range(4):
+                writer.append({"x": np.full((2, 3), float(i), np.float32)})
+    assert link.is_symlink() and link.resolve() == dataset  # the link stays, naming the new dataset
+    assert len(open_dataset(link)) == 4 and verify(dataset) == []
+    leftovers = [p for folder in (tmp_path, tmp_path / "store") for p in folder.iterdir() if p.name[0] == "."]
+    assert leftovers == []  # no .link.old-*, no .D.old-*, no temp directory
+
+
 def test_a_subdirectory_is_not_the_datasets_either(tmp_path: Path) -> None:
     dataset = tmp_path / "D"
     _prepare(_raw(tmp_path / "raw.pt"), dataset)

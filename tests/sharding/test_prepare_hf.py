@@ -103,9 +103,12 @@ def test_a_multi_column_jsonl_is_read_by_columns_with_format_hf(tmp_path: Path) 
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"fields": ["feats"], "split": "validation"},
-     "split='validation' is invalid: input={input!r} has splits ['train', 'test'] (try split=train)"),
+     "split='validation' is invalid: input={input!r} has splits ['train', 'test'] (try split=train or "
+     "split=test)"),
+    # it said "split=None is invalid" and proposed one split: the key was not set at all
     ({"fields": ["feats"]},
-     "split=None is invalid: input={input!r} has splits ['train', 'test'] (try split=train)"),
+     "split is needed: input={input!r} is a DatasetDict of 2 splits, train, test: name the one to prepare "
+     "(try split=train or split=test)"),
     ({"fields": ["pixels"], "split": "train"},
      "fields=['pixels'] is invalid: input={input!r} has no column 'pixels' (its columns: ['text', "
      "'feats', 'label']) (try fields=<one of them>)"),
@@ -138,7 +141,7 @@ def test_the_command_prints_one_error_line_for_a_wrong_split(saved: Path, tmp_pa
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         f"jobs.prepare: error: split='dev' is invalid: input={str(saved)!r} has splits ['train', 'test'] "
-        f"(try split=train)"]
+        f"(try split=train or split=test)"]
     assert not (tmp_path / "out").exists()
 
 

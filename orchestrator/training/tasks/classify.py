@@ -86,7 +86,17 @@ class Classify(Task):
         if self.data.path is None:
             return self.data.demo_classes
         raise ConfigError(f"data.num_classes is needed with data.path={self.data.path!r} (the model's "
-                          f"output size; the dataset records no class list): try data.num_classes=10")
+                          f"output size; the dataset records no class list{self._label_hint(ds)}")
+
+    def _label_hint(self, ds: ShardedDataset) -> str:
+        """The end of the message above: the class count the labels need, where they can be read."""
+        try:
+            lo, hi = ds.value_range(self.target)
+        except DatasetError:  # no such field, not an integer, or no samples: checked elsewhere
+            return "): set data.num_classes=<the number of classes>"
+        if lo < 0:
+            return f"; its labels in {self.target!r} are {lo}..{hi}, and must be >= 0): relabel the dataset"
+        return f"; its labels in {self.target!r} go up to {hi}): try data.num_classes={max(hi + 1, 2)}"
 
     def check_dataset(self, key: str, ds: ShardedDataset) -> None:
         if "tokenizer" in attributes(ds) and self.target not in ds.schema:

@@ -281,8 +281,24 @@ def test_jobs_train_refuses_a_missing_image_in_one_line_and_queues_nothing(tmp_p
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.splitlines()[-1] == (
         f"error: cluster.container.image='{tmp_path}/gone.sif' is invalid: no such file on this machine "
-        "(try cluster.container.image=<an existing image file, e.g. /images/torch.sif>)")
+        f"(try the path of an image file you built ({tmp_path} holds no image file), or a registry image: "
+        f"cluster.container.image=docker://pytorch/pytorch)")
     assert "#SBATCH" not in proc.stdout
+
+
+def test_a_missing_image_file_is_refused_proposing_the_image_files_beside_it(tmp_path: Path) -> None:
+    """The fix proposed /images/torch.sif whatever was missing: the very path refused, when that
+    was the one given. It proposes the closest image file in the same folder now, or else a
+    registry image in the runtime's own syntax."""
+    for name in ("torch-2.5.sif", "jax.sif", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    typo = refused(ContainerConfig(runtime="apptainer", image=str(tmp_path / "torch-2.4.sif")))
+    assert typo.endswith(f"(try cluster.container.image={tmp_path}/torch-2.5.sif; {tmp_path} also "
+                         f"holds jax.sif)")
+    gone = refused(ContainerConfig(runtime="pyxis", image="/images/torch.sqsh"),
+                   srun_help="--container-image")
+    assert gone.endswith("(try the path of an image file you built (/images does not exist), or a registry "
+                         "image: cluster.container.image=nvcr.io#nvidia/pytorch:24.05-py3)")
 
 
 def test_apptainer_passes_variables_as_apptainerenv_whole_commas_and_spaces_included(tmp_path: Path) -> None:

@@ -249,3 +249,55 @@ def test_a_hugging_face_model_trains_with_activation_checkpointing(
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         losses.append([m["train_loss"] for m in metrics if "train_loss" in m])
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+BUILD_CHECKSUM_LOGGING_QWEN2 = '''
+import os
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from orchestrator.training.strategy import checksum
+
+
+def qwen2(vocab_size, seq_len):
+    """A tiny Qwen2: its rotary embedding's inv_freq is a non-persistent buffer. Each rank notes
+    the checksum of every weight it builds on the host, the last one being the one it trains."""
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=seq_len))
+    if torch.distributed.is_initialized() and not torch.empty(0).is_meta:
+        log = Path(os.environ["SWITCHYARD_TEST_BUILD_LOG"]) / f"rank{torch.distributed.get_rank()}"
+        with log.open("a") as f:
+            f.write(checksum(model.named_parameters()) + "\\n")
+    return model
+'''
+
+
+def test_ddp_and_fsdp_start_from_the_same_weights_for_a_model_with_non_persistent_buffers(
+        data: dict[str, str], tmp_path: Path) -> None:
+    """Such a model is built whole on every fsdp rank (rank 0 cannot send what its state dict lacks).
+    That build came after rank 0's host build, from the random state it left, so a tiny Qwen2 started
+    from other weights than under ddp on the same seed (and another step-1 loss); GPT-2 has no such
+    buffer and was the same."""
+    pytest.importorskip("transformers")
+    (tmp_path / "qwen_builds.py").write_text(BUILD_CHECKSUM_LOGGING_QWEN2)
+    first: dict[str, tuple[list[str], float]] = {}
+    for strategy in ("ddp", "fsdp"):
+        builds = tmp_path / f"builds-{strategy}"
+        builds.mkdir()
+        env = {**os.environ, "SWITCHYARD_TEST_BUILD_LOG": str(builds),
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        proc = run_train("task=causal_lm", "model=custom", "model._target_=qwen_builds.qwen2",
+                         f"parallelism.strategy={strategy}", f"data.path={data['causal_lm']}",
+                         "task.vocab_size=50", "data.seq_len=8", "data.batch_size=4", "optim.max_steps=1",
+                         "seed=7", "logger=jsonl", "log_every_steps=1", *CHEAP,
+                         run_dir=tmp_path / strategy, env=env)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        trained = [(builds / f"rank{r}").read_text().split()[-1] for r in range(2)]
+        step_1 = [json.loads(line)["train_loss"] for line in
+                  (tmp_path / strategy / "metrics.jsonl").read_text().splitlines() if '"train_loss"' in line]
+        first[strategy] = (trained, step_1[0])
+    (ddp, ddp_loss), (fsdp, fsdp_loss) = first["ddp"], first["fsdp"]
+    assert len(set(ddp)) == 1 and fsdp == ddp, first
+    assert fsdp_loss == pytest.approx(ddp_loss, rel=1e-5)
