@@ -294,6 +294,11 @@ class ClusterConfig:
     # checkpoint save the last run in the same run directory measured (orchestrator/launch/signal_delay.py)
     signal_delay_s: int | str = DEFAULT_SIGNAL_DELAY_S
     max_requeues: int = 3  # preemptions/timeouts survived before the job gives up
+    # slurm: a failed job step (a killed rank, a NCCL or gloo error, a node gone) is started again
+    # inside the same allocation, from the newest checkpoint, up to this many times, instead of
+    # failing; the same failure twice in a row is the code's and ends the job
+    # (orchestrator/launch/restarts.py)
+    restarts: int = 0
     # A retry (switchyard resubmit) is kept off the nodes its failed attempts blamed (a node failure,
     # a rank killed by a signal, a CUDA/NCCL error), at most this many; 0: never
     max_excluded_nodes: int = 2
@@ -386,6 +391,12 @@ class ClusterConfig:
         if self.max_requeues < 0:
             raise invalid("cluster.max_requeues", self.max_requeues, "must be >= 0",
                           "cluster.max_requeues=3")
+        if self.restarts < 0:
+            raise invalid("cluster.restarts", self.restarts, "must be >= 0", "cluster.restarts=0")
+        if self.restarts and self.mode != "slurm":
+            raise invalid("cluster.restarts", self.restarts, "restarts inside an allocation are SLURM's "
+                          f"(cluster.mode={self.mode!r} has none: a local job is started again by "
+                          f"running it again)", "cluster.restarts=0")
         if self.max_excluded_nodes < 0:
             raise invalid("cluster.max_excluded_nodes", self.max_excluded_nodes, "must be >= 0 (0: a "
                           "retry may land on any node)", "cluster.max_excluded_nodes=2")

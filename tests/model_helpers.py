@@ -213,3 +213,19 @@ class SlowDataOnRank1:
         if dist.is_initialized() and dist.get_rank() == 1:
             time.sleep(self.SLOW_S)
         return self.inner.__getitems__(values)
+
+
+class FailsOnRank1(RowPoolingMLP):
+    """Rank 1's ``FAILS_AT``-th forward raises, the same way at every start: the code's own bug."""
+
+    FAILS_AT = 3
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        self.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.calls == self.FAILS_AT:
+            raise ValueError("the model's own bug, at the same step every time")
+        return super().forward(x, mask)

@@ -41,6 +41,13 @@ class DistEnv:
     source: Source
     master_port: int | None = None  # torchrun fixes the port; elsewhere rank 0 picks a free one
     agent_store: bool = False  # torchrun's agent already serves the store: every rank is a client
+    restart: int = 0  # SWITCHYARD_RESTART: restarts inside this allocation (cluster.restarts)
+
+    @property
+    def attempt(self) -> str:
+        """This start of the job, for files every rank of it shares (a rendezvous): the requeue
+        count, and the restart inside the allocation where there is one."""
+        return f"{self.restart_count}" if not self.restart else f"{self.restart_count}.{self.restart}"
 
     @property
     def is_main(self) -> bool:
@@ -94,7 +101,8 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
                    world_size=world_size, local_world_size=local_world, node_rank=node_rank,
                    num_nodes=num_nodes, master_addr=first_host(nodelist),
                    hostname=env.get("SLURMD_NODENAME") or socket.gethostname(), job_id=job_id,
-                   restart_count=_int(env, "SLURM_RESTART_COUNT", 0), source="slurm")
+                   restart_count=_int(env, "SLURM_RESTART_COUNT", 0), source="slurm",
+                   restart=_int(env, "SWITCHYARD_RESTART", 0))
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:

@@ -55,7 +55,7 @@ from submitit.local.local import Controller, LocalJob
 from submitit.slurm import slurm
 
 from orchestrator import atomic
-from orchestrator.launch import job_entry, local_jobs
+from orchestrator.launch import job_entry, local_jobs, restarts
 from orchestrator.launch.fork_safety import (
     PRELOAD_ENV,
     THREAD_VARS,
@@ -106,7 +106,7 @@ class ForkingLocalExecutor(job_entry.EntryCommand, submitit.LocalExecutor):
                         tasks=list(range(ntasks)))
 
 
-class ForkingSlurmExecutor(submitit.SlurmExecutor):
+class ForkingSlurmExecutor(job_entry.Restarting):
     """submitit's SlurmExecutor whose srun starts one task per node: the node launcher, which
     imports ``preload`` once and forks the node's ranks. The ``#SBATCH`` header is unchanged (the
     allocation: its tasks, their CPUs, GPUs and memory, the ranks' log files); only the srun line
@@ -142,6 +142,7 @@ class ForkingSlurmExecutor(submitit.SlurmExecutor):
             delayed.dump(pickle)
             pickles.append(pickle)
         array = ForkingSlurmExecutor(self.folder, self.preload, self.max_num_timeout, python=self.python)
+        array.restarts = self.restarts
         array.update_parameters(**self.parameters)
         array.parameters["map_count"] = len(pickles)
         self._throttle()
@@ -163,7 +164,8 @@ class ForkingSlurmExecutor(submitit.SlurmExecutor):
                                "--ntasks-per-node=1",
                                *([f"--cpus-per-task={int(cpus) * self.ranks_per_node}"] if cpus else []),
                                "--output", f"{logs}.out", "--error", f"{logs}.err"]
-        return slurm._make_sbatch_string(command=command, folder=self.folder, **params)
+        return restarts.wrap(slurm._make_sbatch_string(command=command, folder=self.folder, **params),
+                             self.restarts, self.folder)
 
 
 class ForkedTask:

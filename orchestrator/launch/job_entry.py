@@ -27,6 +27,7 @@ from typing import NoReturn
 import submitit
 from submitit.core import submission
 
+from orchestrator.launch import restarts
 from orchestrator.quick_exit import exit_as_interpreter
 
 MODULE = "orchestrator.launch.job_entry"
@@ -55,7 +56,17 @@ class LocalExecutor(EntryCommand, submitit.LocalExecutor):
     pass
 
 
-class SlurmExecutor(EntryCommand, submitit.SlurmExecutor):
+class Restarting(submitit.SlurmExecutor):
+    """A SLURM executor whose batch script restarts its job step inside the allocation, up to
+    ``restarts`` times (``restarts.wrap``; 0: submitit's script as it is)."""
+
+    restarts: int = 0
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return restarts.wrap(super()._make_submission_file_text(command, uid), self.restarts, self.folder)
+
+
+class SlurmExecutor(EntryCommand, Restarting):
     pass
 
 

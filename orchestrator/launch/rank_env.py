@@ -65,7 +65,7 @@ def serve_or_find_store(env: DistEnv, rdzv_dir: Path, timeout_s: float
 def done_file(rdzv_dir: Path, env: DistEnv, rank: int) -> Path:
     """Written by each rank's wrapper when its process has ended: rank 0 keeps the store until
     every rank's is there (a script's last barrier or destroy_process_group still needs it)."""
-    return rdzv_dir / f"done-{env.job_id}-r{env.restart_count}-{rank}"
+    return rdzv_dir / f"done-{env.job_id}-r{env.attempt}-{rank}"
 
 
 def environment_record(environ: Mapping[str, str], keys: tuple[str, ...]) -> dict[str, str]:

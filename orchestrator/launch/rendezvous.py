@@ -47,7 +47,7 @@ class Endpoint:
 
 
 def endpoint_file(rdzv_dir: Path, env: DistEnv) -> Path:
-    return rdzv_dir / f"rdzv-{env.job_id}-r{env.restart_count}.json"
+    return rdzv_dir / f"rdzv-{env.job_id}-r{env.attempt}.json"
 
 
 def resolve(host: str) -> str:
@@ -162,7 +162,7 @@ def bind_gloo(env: DistEnv, store: dist.Store, timeout_s: float) -> str | None:
 
     if env.num_nodes <= 1:
         return None
-    key = f"{gloo_interface.PEER_KEY}/{env.restart_count}"
+    key = f"{gloo_interface.PEER_KEY}/{env.attempt}"
     if env.node_rank != 0:
         peer = resolve(env.master_addr)
         if env.node_rank == 1 and env.is_local_main:  # published whatever this rank's own setting

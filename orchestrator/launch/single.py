@@ -144,13 +144,13 @@ def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[
             print(f"not waiting (cluster.wait=false): follow it with {follow_with}")
             return None
         submit.watch_pending(job, cluster.never_starts)
-    return results(recorded, job, run_dir)
+    return results(recorded, job, run_dir, cluster.restarts)
 
 
-def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path) -> list[R]:
+def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path, restarts: int = 0) -> list[R]:
     """``submit.results``, and the end it saw recorded in the registry."""
     try:
-        values = submit.results(job, run_dir)
+        values = submit.results(job, run_dir, restarts)
     except submit.JobStoppedError as e:  # cancelled, not failed: where it stopped, its checkpoint
         if recorded is not None:
             finish(recorded, e.state, None, str(e))

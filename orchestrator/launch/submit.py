@@ -114,7 +114,8 @@ def make_executor(cluster: ClusterConfig, parallelism: ParallelismConfig,
     if code is not None:
         params["setup"] = [*snapshot.setup_lines(code), *cluster.setup]
     params.update(container_parameters(cluster, parallelism, folder.parent, code, paths, params["setup"]))
-    return new_executor("slurm", params, folder, cluster.max_requeues, rank_modules=forked, own_code=own_code)
+    return new_executor("slurm", params, folder, cluster.max_requeues, rank_modules=forked, own_code=own_code,
+                        restarts=cluster.restarts)
 
 
 def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig, run_dir: Path,
@@ -144,7 +145,7 @@ def container_parameters(cluster: ClusterConfig, parallelism: ParallelismConfig,
 
 def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeues: int = 0,
                  array_parallelism: int | None = None, rank_modules: Sequence[str] = (),
-                 own_code: bool = False) -> submitit.Executor:
+                 own_code: bool = False, restarts: int = 0) -> submitit.Executor:
     """A local or SLURM executor from its submitit parameters: the one factory behind single jobs
     (:func:`make_executor`) and sweep arrays (``sweeps.arrays.make_executor``).
     ``array_parallelism`` (SLURM only): at most this many tasks of one array at once.
@@ -172,6 +173,13 @@ def new_executor(mode: str, params: Mapping[str, Any], folder: Path, max_requeue
     else:
         kind = job_entry.SlurmExecutor if own_code else submitit.SlurmExecutor
         slurm = kind(folder=folder, max_num_timeout=max_requeues, python=params.pop("python", None))
+    if restarts:  # the batch script's loop around the step (launch/restarts.py)
+        if not isinstance(slurm, job_entry.Restarting):
+            raise ConfigError(f"cluster.restarts={restarts} is invalid here: a job that runs your own "
+                              f"Python function ends with submitit's own entry, which cannot be "
+                              f"restarted inside its allocation (try cluster.restarts=0, or run it as "
+                              f"a command: switchyard run ... -- python your_script.py)")
+        slurm.restarts = restarts
     limit = {} if array_parallelism is None else {"array_parallelism": array_parallelism}
     slurm.update_parameters(**params, **limit)
     return slurm
@@ -428,15 +436,16 @@ def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0
 
 
 def wait_slurm(job: submitit.Job[Any], poll_s: float = 0.2, ask_every_s: float = 10.0,
-               patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
+               patience_s: float = ACCOUNTING_PATIENCE_S, until_ended: bool = False) -> None:
     """Wait until every rank of a SLURM job has written its result, or SLURM says the job has
     ended (asked every ``ask_every_s``, through gaps in accounting: ``StateWatch``). The result
     files are looked for every ``poll_s`` (a stat per rank), so a job's end is seen at once.
     submitit's own wait asks sacct alone and, while accounting is silent, waits forever for a rank that
-    died without a result."""
+    died without a result. ``until_ended``: a job that restarts inside its allocation
+    (``cluster.restarts``) writes results again after a failed step, so only its end counts."""
     watch = StateWatch(job, patience_s)
     asked = -math.inf
-    while not all(task.paths.result_pickle.exists() for task in _tasks(job)):
+    while until_ended or not all(task.paths.result_pickle.exists() for task in _tasks(job)):
         if time.monotonic() - asked >= ask_every_s:
             asked = time.monotonic()
             if watch.state() not in STILL_GOING:
@@ -467,7 +476,7 @@ def _tasks(job: submitit.Job[Any]) -> list[submitit.Job[Any]]:
 LOCAL_DEATH = "ended without a result: killed (SIGKILL, the OOM killer, a crash) or exited early"
 
 
-def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[int, str]]:
+def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5, restarts: int = 0) -> list[tuple[int, str]]:
     """Wait for the job; in local mode, as soon as one rank has raised or died, stop the rest
     instead of letting them wait in a collective or the rendezvous. On SLURM, srun's
     --kill-on-bad-exit does that, and a cancel from here would record the job as CANCELLED
@@ -502,7 +511,7 @@ def wait_fail_fast(job: submitit.Job[Any], poll_s: float = 0.5) -> list[tuple[in
         if seen:
             died = _died(seen, _tasks(job))
     if isinstance(job, submitit.SlurmJob):
-        wait_slurm(job)
+        wait_slurm(job, until_ended=restarts > 0)
     else:
         job.wait()
     return died
@@ -558,7 +567,7 @@ def rank_outcomes(job: submitit.Job[Any]) -> list[RankOutcome]:
     return outcomes
 
 
-def results(job: submitit.Job[R], run_dir: Path | None = None) -> list[R]:
+def results(job: submitit.Job[R], run_dir: Path | None = None, restarts: int = 0) -> list[R]:
     """Every rank's return value, or :class:`JobFailedError` naming who failed and why.
 
     ``run_dir`` holds the ranks' heartbeats (``heartbeat``): with it, a hang names the rank the
@@ -567,7 +576,7 @@ def results(job: submitit.Job[R], run_dir: Path | None = None) -> list[R]:
     """
     if isinstance(job, submitit.DebugJob):
         return job.results()
-    died = wait_fail_fast(job)
+    died = wait_fail_fast(job, restarts=restarts)
     outcomes = rank_outcomes(job)
     if all(o.error is None and o.no_output is None for o in outcomes):
         if any(o.stopped for o in outcomes):
@@ -691,6 +700,11 @@ def headed(error: str, tail: str) -> str:
 
 
 is_collective_timeout = hang_dumps.is_collective_timeout
+
+
+def lost_a_peer(error: str) -> bool:
+    """Whether a rank's error only says another rank went away (a consequence, not a cause)."""
+    return _PEER_LOST.search(error) is not None
 
 
 def hang_verdict(outcomes: Sequence[RankOutcome], run_dir: Path | None) -> heartbeat.Verdict | None:

@@ -17,7 +17,7 @@ import torch
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, TrainConfig
-from orchestrator.launch import dist_env, hang_dumps, rendezvous, run_lock
+from orchestrator.launch import dist_env, hang_dumps, rendezvous, restarts, run_lock, submit
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import clear_end_summary, register_rank
 from orchestrator.telemetry.preflight import preflight
@@ -110,8 +110,11 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
             finish(run, summary, clock)
         return summary
     except Exception as e:
-        if hang_dumps.is_collective_timeout(f"{type(e).__name__}: {e}"):  # where was everyone?
+        said = f"{type(e).__name__}: {e}"
+        timed_out = hang_dumps.is_collective_timeout(said)
+        if timed_out:  # where was everyone?
             dumper.on_timeout(pulse.step, pulse.phase, e, wait_s=3 * interval_s + 2)
+        restarts.record_failure(env.rank, pulse.step, e, consequence=timed_out or submit.lost_a_peer(said))
         if env.is_main and cfg.telemetry.enabled:
             memory_report.keep_end_summary(run)
         raise

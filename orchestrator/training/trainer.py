@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from orchestrator.config import TrainConfig
-from orchestrator.launch import provenance, signal_delay
+from orchestrator.launch import provenance, restarts, signal_delay
 from orchestrator.launch.heartbeat import Heartbeat
 from orchestrator.training import (
     checkpointing,
@@ -121,6 +121,7 @@ class Trainer:
         self.lateness = Lateness(rt, run_dir, cfg.telemetry.slow_rank_fraction,
                                  cfg.telemetry.slow_rank_windows)
         self.saved_step = -1  # the step of the newest checkpoint this run wrote or loaded
+        self.first_step_at: float | None = None  # wall time the first step of this start ended
         self.guard = NonFiniteGuard(cfg.optim, cfg.log_every_steps, rt)
         self.eval_metrics: dict[str, float] = {}  # of the last evaluation
         self.micro = AutoMicroBatch(rt, cfg.data.batch_size, cfg.optim.grad_accum_steps, run_dir) \
@@ -334,6 +335,7 @@ class Trainer:
                 window.add(self.optimizer_step(stream, want_norm=logs))
                 if self.clock.mark("first_step"):  # a dict lookup after the first
                     runtime.start_training_timeout(cfg.cluster)
+                    self.first_step_at = time.time()  # a restart's delay ends here (summary)
                 self.log_micro_batch_changes(log)
                 last = self.step == cfg.optim.max_steps
                 if logs:
@@ -420,5 +422,6 @@ class Trainer:
             "compile": self.compile_summary(),
             "optim_implementation": optimizer_implementation(self.optimizer),
             **self.lateness.as_summary(),
+            **restarts.summary(self.rt.env.restart, self.first_step_at),
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
