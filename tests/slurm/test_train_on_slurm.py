@@ -91,15 +91,16 @@ def test_a_rank_alive_elsewhere_is_named_with_its_stack_on_slurm(tmp_path: Path)
     proc = run_train("cluster=slurm", "parallelism.nodes=2", "parallelism.procs_per_node=1",
                      "optim.max_steps=1000", "data.demo_num_samples=512", "data.batch_size=16",
                      "telemetry.enabled=false", "memory.estimate=off", "cluster.collective_timeout_s=6",
-                     "model=custom", "model._target_=model_helpers.StuckOnRank1", cache_dir=tmp_path / "cache",
+                     "model=custom", "model._target_=model_helpers.StuckOnRank1",
+                     cache_dir=tmp_path / "cache",
                      run_dir=run_dir, timeout=300,
                      env={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
     try:
         assert proc.returncode == 2, proc.stderr[-3000:]
         report = proc.stderr[proc.stderr.index("error: job"):]
         assert re.search(r"collective timeout: rank 1 \(n2\) last entered all_reduce #\d+ \(step \d+, "
-                         r"compute\); rank 0 entered all_reduce #\d+; rank 1's stack: \S+model_helpers.py:\d+ "
-                         r"in spin_in_python", report), report
+                         r"compute\); rank 0 entered all_reduce #\d+; rank 1's stack: "
+                         r"\S+model_helpers.py:\d+ in spin_in_python", report), report
         assert "where each rank was" in report and report.count("  rank ") == 2
     finally:
         for submitted in (run_dir / "submitit").glob("*_submitted.pkl"):  # pass or fail: free the nodes

@@ -36,7 +36,8 @@ def test_a_rank_late_three_windows_in_a_row_is_flagged_once(tmp_path: Path,
     found.note(2, 0.7, step_s=1.0)
     found.note(2, 0.9, step_s=1.0)  # already flagged: not again
     [flag] = found.flagged.values()
-    assert (flag.rank, flag.node, flag.median_late_s, flag.share_of_step, flag.windows) == (2, "n2", 0.5, 0.5, 3)
+    assert (flag.rank, flag.node, flag.median_late_s, flag.share_of_step, flag.windows) == \
+        (2, "n2", 0.5, 0.5, 3)
     assert json.loads((tmp_path / bad_nodes.STRAGGLERS_FILE).read_text())[0]["rank"] == 2
 
 
@@ -53,7 +54,8 @@ def test_a_flagged_rank_blames_its_node_only_where_nothing_stronger_does() -> No
             "earliest rank (96% of a step, 3 logging windows in a row): its data path or its node is slow")
     found = bad_nodes.from_logs("FAILED", ["n1", "n2"], "", {0: ("n1", line), 1: ("n2", "")})
     assert [(b.node, b.why) for b in found] == [
-        ("n2", "rank 1 was persistently slow there: it entered the gradient reduction 0.150 s after the others")]
+        ("n2", "rank 1 was persistently slow there: it entered the gradient reduction 0.150 s after the "
+               "others")]
     killed = "srun: error: n1: task 0: Killed\n"
     assert [b.node for b in bad_nodes.from_logs("FAILED", ["n1", "n2"], killed, {0: ("n1", line)})] == ["n1"]
 
