@@ -5,7 +5,8 @@ calls, the allocator's growth), after one warm-up step the profiler discards, so
 holds the profiled steps is slower than the others. Each rank writes ``RUN/profile/rank-N.trace.json``
 (Chrome's trace format: chrome://tracing, Perfetto) and ``rank-N.kernels.json``: the profiler's key
 averages, one row per kernel (GPU) or per operator's own time (CPU), and their time by class
-(``KERNEL_CLASSES``) per step. Rank 0 prints the classes in one line.
+(``KERNEL_CLASSES``) per step, both written when the loop ends (writing them at once would slow
+the window being timed). Rank 0 prints the classes in one line.
 
 Off (``profile_steps=0``, the default) nothing is created: the profiler costs nothing.
 """
@@ -85,8 +86,12 @@ def describe(classes: dict[str, float]) -> str:
 
 
 def summary(prof: torch.profiler.profile, steps: int) -> dict[str, Any]:
-    """What ``rank-N.kernels.json`` holds: the device, the steps, time by class, every row."""
+    """What ``rank-N.kernels.json`` holds: the device, the steps, time by class, every row. The
+    steps are those the trace holds (``ProfilerStep#N``, one per step), at most ``steps``: a run
+    that ended before the schedule did is divided by what it traced."""
     device, rows = key_average_rows(prof)
+    traced = sum(1 for e in prof.key_averages() if e.key.startswith("ProfilerStep#")) or steps
+    steps = min(steps, traced)
     return {"device": device, "steps": steps, "ms_per_step_by_class": time_by_class(rows, steps),
             "rows": rows}
 
@@ -110,7 +115,7 @@ def activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
 
 class StepProfiler:
     """The trainer's profiler: ``step()`` after every optimizer step; traces ``steps`` steps after
-    ``skip`` steps and one discarded warm-up step, then writes and stops (``write``)."""
+    ``skip`` steps and one discarded warm-up step; ``close()`` (the loop's end) writes them."""
 
     def __init__(self, steps: int, skip: int, out: Path, rank: int, device: torch.device,
                  is_main: bool) -> None:
@@ -125,18 +130,12 @@ class StepProfiler:
             self.prof.start()
 
     def ready(self, prof: torch.profiler.profile) -> None:
-        self.found = write(prof, self.out, self.name, self.steps)
-        self.done = True
-        if self.is_main:
-            classes = describe(self.found["ms_per_step_by_class"])
-            print(f"profile: {self.steps} steps in {self.out}; {classes}", flush=True)
+        self.done = True  # written at close: exporting now would slow the window being timed
 
     def step(self) -> None:
-        if self.prof is None:
+        if self.prof is None or self.done:
             return
         self.prof.step()
-        if self.done:
-            self.close()
 
     def __enter__(self) -> StepProfiler:
         return self
@@ -145,7 +144,15 @@ class StepProfiler:
         self.close()
 
     def close(self) -> None:
-        """Stop (a run shorter than the schedule ends here with what it has not traced dropped)."""
-        if self.prof is not None:
-            prof, self.prof = self.prof, None
-            prof.stop()
+        """Stop, and write what was traced (all of it: a run shorter than the schedule is divided
+        by the steps it traced)."""
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.stop()
+        if not self.done:
+            return  # the run ended before the first traced step: nothing to write
+        self.found = write(prof, self.out, self.name, self.steps)
+        if self.is_main:
+            classes = describe(self.found["ms_per_step_by_class"])
+            print(f"profile: {self.found['steps']} steps in {self.out}; {classes}", flush=True)
