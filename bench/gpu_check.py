@@ -10,7 +10,7 @@ what ran longest ago (``bench/gpu_runs.json``, which ``--record`` or ``--out`` u
   (Switchyard / reference, compiled / eager, fsdp / ddp), and their losses window by window (a
   gap from the first window: the two compute something else). ``--profile``: a torch.profiler
   trace of 5 steps of each run and its time by kernel class (``profile_steps``); with ``--out``
-  every trace goes into ``profiles.tar.gz``. On every GPU too where there are several;
+  every trace goes into ``profiles-N.tar.gz``. On every GPU too where there are several;
 - ``leads``: each lead of issue 55 switched on beside the same run without it (batch 32, one GPU):
   dynamo's DDP optimizer off, the whole model compiled, fsdp without resharding after forward,
   CUDA graphs;
@@ -394,8 +394,9 @@ def causal_lm(c: Check, gpus: int, profile: bool) -> None:
     batches: eager and compiled, batch 8 (the earlier tables') and 32 (an H100's fill), under ddp
     and fsdp; each pair's ratio against the issue's target, and the losses side by side."""
     data = c.corpus()
+    runs: dict[tuple[int, str, bool], LmRun | None] = {}
+    # the pairs first (what a budget cut must not lose), then fsdp, then the ratios between them
     for batch in LM_STEPS:
-        runs: dict[tuple[str, bool], LmRun | None] = {}
         for compiled in (False, True):
             kind = "compiled" if compiled else "eager"
             ours = switchyard_lm(c, f"gpt b{batch} ddp {kind}",
@@ -406,19 +407,26 @@ def causal_lm(c: Check, gpus: int, profile: bool) -> None:
             if ours is not None and base is not None:
                 compare_losses(c, f"gpt b{batch} {kind}: reference vs switchyard losses", base.losses,
                                ours.losses, ("reference", "switchyard"))
-            runs["ddp", compiled] = ours
+            runs[batch, "ddp", compiled] = ours
+    for batch in LM_STEPS:
         for compiled in (False, True):
             kind = "compiled" if compiled else "eager"
-            runs["fsdp", compiled] = switchyard_lm(c, f"gpt b{batch} fsdp {kind}",
-                                                   lm_overrides(data, batch, "fsdp", compiled, 1, profile))
-            side_by_side(c, f"gpt b{batch} {kind}: fsdp / ddp", runs["fsdp", compiled], runs["ddp", compiled],
-                         LM_TARGETS["fsdp / ddp"])
+            runs[batch, "fsdp", compiled] = switchyard_lm(
+                c, f"gpt b{batch} fsdp {kind}", lm_overrides(data, batch, "fsdp", compiled, 1, profile))
+            side_by_side(c, f"gpt b{batch} {kind}: fsdp / ddp", runs[batch, "fsdp", compiled],
+                         runs[batch, "ddp", compiled], LM_TARGETS["fsdp / ddp"])
+    for batch in LM_STEPS:
         for strategy in ("ddp", "fsdp"):
-            side_by_side(c, f"gpt b{batch} {strategy}: compiled / eager", runs[strategy, True],
-                         runs[strategy, False], LM_TARGETS[f"compiled / eager, {strategy}"])
-            if runs[strategy, True] is not None and runs[strategy, False] is not None:
-                compare_losses(c, f"gpt b{batch} {strategy}: eager vs compiled losses",
-                               runs[strategy, False].losses, runs[strategy, True].losses)  # type: ignore[union-attr]
+            eager, compiled_run = runs[batch, strategy, False], runs[batch, strategy, True]
+            side_by_side(c, f"gpt b{batch} {strategy}: compiled / eager", compiled_run, eager,
+                         LM_TARGETS[f"compiled / eager, {strategy}"])
+            if eager is not None and compiled_run is not None:
+                compare_losses(c, f"gpt b{batch} {strategy}: eager vs compiled losses", eager.losses,
+                               compiled_run.losses)
+        ddp, fsdp = runs[batch, "ddp", False], runs[batch, "fsdp", False]
+        if ddp is not None and fsdp is not None:
+            compare_losses(c, f"gpt b{batch} eager: ddp vs fsdp losses", ddp.losses, fsdp.losses,
+                           ("ddp", "fsdp"))
     if gpus > 1:  # every GPU: Switchyard alone (the reference is one process on one GPU)
         for strategy in ("ddp", "fsdp"):
             for compiled in (False, True):
@@ -429,12 +437,12 @@ def causal_lm(c: Check, gpus: int, profile: bool) -> None:
 # Each lead of issue 55 as overrides, beside the run it changes (measured in the same call):
 # (name, strategy, compiled, the overrides that switch the lead)
 NO_RESHARD = "parallelism.fsdp_reshard_after_forward=false"
-LEADS = [
+LEADS = [  # the likeliest first: a --budget-s cut drops the last
     ("ddp compiled, dynamo's DDP optimizer off", "ddp", True, ["model.compile_optimize_ddp=false"]),
     ("ddp compiled, the whole model", "ddp", True, ["model.compile_scope=model"]),
+    ("fsdp eager, no reshard after forward", "fsdp", False, [NO_RESHARD]),
     ("ddp compiled, the whole model, DDP optimizer off", "ddp", True,
      ["model.compile_scope=model", "model.compile_optimize_ddp=false"]),
-    ("fsdp eager, no reshard after forward", "fsdp", False, [NO_RESHARD]),
     ("fsdp compiled, no reshard after forward", "fsdp", True, [NO_RESHARD]),
     ("ddp compiled, CUDA graphs (reduce-overhead)", "ddp", True, ["model.compile_mode=reduce-overhead"]),
 ]
@@ -576,13 +584,27 @@ def commit_of() -> str:
         return "unknown"
 
 
+PACK_BYTES = 8 << 20  # one more run's trace after this stays under the 16 MiB a lent machine hands back
+PACKS = 4  # and few of them
+
+
 def pack_profiles(c: Check) -> None:
-    """Every run's trace in one archive in --out (a lent machine hands back few files)."""
+    """Every run's trace into --out, as archives of about ``PACK_BYTES`` each (a lent machine hands
+    back few files, none over 16 MiB), at most ``PACKS``; a row names what did not fit."""
     if c.out is None or not c.profiles:
         return
-    with tarfile.open(c.out / "profiles.tar.gz", "w:gz") as tar:
-        for folder in c.profiles:
-            tar.add(folder, arcname=folder.name)
+    left = list(c.profiles)
+    for number in range(1, PACKS + 1):
+        if not left:
+            return
+        path = c.out / f"profiles-{number}.tar.gz"
+        with open(path, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+            while left and (raw.tell() < PACK_BYTES or not tar.getmembers()):
+                folder = left.pop(0)
+                tar.add(folder, arcname=folder.name)
+    if left:
+        c.row("profiles kept", "partly", "not packed into --out (too large): "
+              + ", ".join(folder.name for folder in left))
 
 
 def main() -> int:

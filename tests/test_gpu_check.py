@@ -114,7 +114,7 @@ def test_the_pair_runs_side_by_side_on_the_cpu_with_their_profiles(tmp_path: Pat
                       ("losses", "ok")], c.rows
     assert len(ours.rates) == len(base.rates) == 2 and ours.classes and base.classes
     assert ours.classes["matmul"] > 0 and base.classes["matmul"] > 0
-    with tarfile.open(out / "profiles.tar.gz") as tar:
+    with tarfile.open(out / "profiles-1.tar.gz") as tar:
         names = tar.getnames()
     assert "gpt-b4-ddp-eager/rank-0.trace.json" in names
     assert "gpt-b4-reference-eager/reference.trace.json" in names
