@@ -89,7 +89,7 @@ def agree(ours: list[float], theirs: list[float], rel: float) -> bool:
 
 @pytest.mark.parametrize(("changes", "rel"), [
     ({}, 1e-5),  # fp32: the same sums in another order at most
-    ({"amp": "bf16"}, 1e-3),  # bf16 autocast on both sides: the same casts, so the same logits
+    ({"amp": "bf16"}, 1e-5),  # bf16 autocast on both sides: the same casts, so the same logits
     ({"compile": True, "compile_backend": "aot_eager"}, 1e-5),  # the whole model, compiled, both sides
 ])
 def test_the_reference_computes_switchyards_losses(rank: runtime.Runtime, data: str, tmp_path: Path,
