@@ -32,7 +32,10 @@ KERNEL_CLASSES = ("matmul", "attention", "elementwise/norm", "optimizer", "commu
 # operators a CPU run shows instead (aten::addmm, aten::_fused_adamw_, gloo:all_reduce).
 _CLASS_PATTERNS = [
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|gloo|c10d::|send|recv"),
-    ("memcpy", r"memcpy|memset|dtoh|htod|dtod|pin_memory|_to_copy|aten::copy_$"),
+    # FSDP2's copies into and out of its all-gather buffers are copies too (CatArrayBatchedCopy,
+    # split_with_sizes_copy); a dtype cast is an elementwise kernel
+    ("memcpy", r"memcpy|memset|dtoh|htod|dtod|pin_memory|_to_copy|aten::copy_$|CatArrayBatchedCopy"
+               r"|split_with_sizes_copy|chunk_cat"),
     ("optimizer", r"adam|\bsgd|fusedsgd|multi_tensor_apply|_foreach_|optimizer"),
     ("attention", r"flash|fmha|attention|sdpa|mha|softmax"),
     ("matmul", r"gemm|matmul|\bmm\b|aten::mm|addmm|bmm|aten::linear|cublas|cutlass|nvjet|xmma|wgmma"

@@ -39,6 +39,9 @@ from orchestrator.training import profiling, runtime, trainer
     ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
     ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
     ("Memset (Device)", "memcpy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::"
+     "OpaqueType<2u>, unsigned int, 1, 128, 1>", "memcpy"),  # FSDP2's all-gather copy-in
+    ("void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel<c10::BFloat16>", "memcpy"),
     ("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float>", "elementwise/norm"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "elementwise/norm"),
     ("triton_per_fused_native_layer_norm_0", "elementwise/norm"),
