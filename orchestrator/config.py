@@ -165,6 +165,10 @@ class ParallelismConfig:
     # in _no_split_modules (a Hugging Face model's blocks).
     fsdp_units: list[str] = field(default_factory=list)
     fsdp_reduce_dtype: str = "fp32"  # fsdp with memory.amp=bf16: dtype of the gradient reduce-scatter
+    # fsdp: free each unit's gathered parameters after its forward (true: gathered again for its
+    # backward) or keep them to its backward (false: a unit's full parameters held between the two,
+    # one all-gather and one bf16 cast per unit per step saved: the choice for one GPU)
+    fsdp_reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -173,8 +177,10 @@ class ParallelismConfig:
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
             raise invalid("parallelism.fsdp_reduce_dtype", self.fsdp_reduce_dtype,
                           f"choose one of {REDUCE_DTYPES}", "parallelism.fsdp_reduce_dtype=fp32")
-        if self.strategy != "fsdp" and (self.fsdp_units or self.fsdp_reduce_dtype != "fp32"):
-            key = "fsdp_units" if self.fsdp_units else "fsdp_reduce_dtype"
+        fsdp_only = {"fsdp_units": self.fsdp_units, "fsdp_reduce_dtype": self.fsdp_reduce_dtype != "fp32",
+                     "fsdp_reshard_after_forward": not self.fsdp_reshard_after_forward}
+        if self.strategy != "fsdp" and any(fsdp_only.values()):
+            key = next(k for k, changed in fsdp_only.items() if changed)
             value = getattr(self, key)
             raise invalid(f"parallelism.{key}", value, f"it applies to parallelism.strategy=fsdp only, "
                           f"and parallelism.strategy={self.strategy!r}", "parallelism.strategy=fsdp, "
@@ -687,6 +693,7 @@ OPTIMIZERS = ("adamw", "sgd")
 # optim.implementation: auto is fused on CUDA (where torch has the kernel), foreach elsewhere
 OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("blocks", "model")
 SCHEDULES = ("constant", "cosine", "linear")
 ON_NONFINITE = ("stop", "skip")
 POLICIES = ("pad", "drop")
@@ -700,6 +707,10 @@ class ModelCompileConfig:
     constructor."""
 
     compile: bool = False  # torch.compile each fsdp unit (block), else the whole model, in place
+    compile_scope: str = "blocks"  # blocks: each fsdp unit (block) | model: the whole model, as nanoGPT
+    # ddp: dynamo's DDP optimizer splits each compiled graph where DDP's gradient buckets end, so
+    # an all-reduce can start while the rest of backward runs (false: one graph, more fusion)
+    compile_optimize_ddp: bool = True
     compile_fullgraph: bool = True  # a graph break inside a block is an error, not a silent split
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (the last two: for debugging)
@@ -728,6 +739,10 @@ def check_compile(spec: Any) -> None:
     if mode not in COMPILE_MODES:
         raise invalid("model.compile_mode", mode, f"choose one of {COMPILE_MODES}",
                       "model.compile_mode=default")
+    scope = get("compile_scope", "blocks")
+    if scope not in COMPILE_SCOPES:
+        raise invalid("model.compile_scope", scope, f"choose one of {COMPILE_SCOPES}",
+                      "model.compile_scope=blocks")
     if not isinstance(limit, int) or limit < 1:
         raise invalid("model.compile_recompile_limit", limit, "must be >= 1",
                       "model.compile_recompile_limit=8")
@@ -1010,6 +1025,9 @@ class TrainConfig:
     eval_every_steps: int = 0  # 0: evaluate once, at the end
     log_every_steps: int = 10
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-exact reruns on CPU
+    # >0: a torch.profiler trace of this many steps after the first log window, with their time
+    # by kernel class, into RUN/profile/ (training/profiling.py)
+    profile_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.task == MISSING:  # built in Python without one (Hydra's defaults list always sets it)
@@ -1022,6 +1040,15 @@ class TrainConfig:
                           "eval_every_steps=0")
         if self.seed < 0:
             raise invalid("seed", self.seed, "must be >= 0 (the sampler's shuffle takes it)", "seed=0")
+        if self.profile_steps < 0:
+            raise invalid("profile_steps", self.profile_steps, "must be >= 0 (0: no profile)",
+                          "profile_steps=5")
+        model = group_dict(self.model) if self.model != MISSING else {}
+        whole = model.get("compile") and model.get("compile_scope") == "model"
+        if self.parallelism.strategy == "fsdp" and whole:
+            raise invalid("model.compile_scope", "model", "parallelism.strategy=fsdp all-gathers each block "
+                          "in hooks a whole-model graph cannot hold (compile each block instead)",
+                          "model.compile_scope=blocks, or parallelism.strategy=ddp")
         parallelism = self.parallelism
         if self.cluster.mode == "local" and parallelism.gpus_per_node and parallelism.nodes > 1:
             raise invalid("parallelism.nodes", parallelism.nodes, "GPUs in cluster=local run on this "

@@ -1,10 +1,17 @@
 """``model.compile=true``: torch.compile per block, compiled before the first step, the compiled
 artifacts kept in the run directory so that a resume or a requeue does not compile again.
 
-- What is compiled: the model's fsdp units (``fsdp_units()``: the built-in models' blocks), else
-  the classes a Hugging Face model names in ``_no_split_modules``, else the whole model. Each with
+- What is compiled (``model.compile_scope=blocks``, the default): the model's fsdp units
+  (``fsdp_units()``: the built-in models' blocks), else the classes a Hugging Face model names in
+  ``_no_split_modules``, else the whole model; ``model.compile_scope=model``: the whole model, as
+  nanoGPT does (one graph: fusion across blocks, and inductor sees the embedding, the head and the
+  loss's input; under ddp only: fsdp's per-block hooks need per-block graphs). Each with
   ``module.compile()``, in place: parameter names, state dicts and checkpoints are those of the
   eager model, so either kind of run resumes the other's checkpoint.
+- Under ddp, dynamo's DDP optimizer splits each compiled graph where DDP's 25 MB gradient buckets
+  end, so a bucket's all-reduce can start while backward goes on; ``model.compile_optimize_ddp=
+  false`` turns that off (``torch._dynamo.config.optimize_ddp``): one graph per compiled module,
+  more fusion, the all-reduces after backward. On one GPU there is nothing to overlap with.
 - The order is torchtitan's: activation checkpointing (``build_model``), compile, then the
   strategy's wrap (DDP or ``fully_shard``): compile is part of the builder the strategy calls.
 - When: compile is lazy (the first call of each block), so ``warm_up`` runs one zero-loss forward
@@ -80,6 +87,8 @@ class CompileSpec:
     backend: str = "inductor"
     dynamic: bool | None = None
     recompile_limit: int = 8
+    scope: str = "blocks"  # blocks | model
+    optimize_ddp: bool = True
 
 
 def split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], CompileSpec]:
@@ -95,15 +104,20 @@ def spec_of(model_spec: Any) -> CompileSpec:
     return split(group_dict(model_spec))[1]
 
 
-def units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """What is compiled one by one: the blocks fsdp shards (``blocks.choose``), else the whole model."""
+def units(model: nn.Module, class_names: list[str], scope: str = "blocks") -> list[nn.Module]:
+    """What is compiled one by one: the blocks fsdp shards (``blocks.choose``), else the whole
+    model; ``scope="model"``: the whole model."""
+    if scope == "model":
+        return [model]
     return blocks.choose(model, class_names)[0] or [model]
 
 
 def compile_in_place(model: nn.Module, spec: CompileSpec, class_names: list[str]) -> int:
     """Each block's forward compiled (``nn.Module.compile``: the module object and its parameter
-    names stay); returns how many were."""
-    found = units(model, class_names)
+    names stay); returns how many were. Sets dynamo's DDP optimizer (process-wide: one model per
+    rank) before anything compiles: compiling is lazy, at the warm-up."""
+    torch._dynamo.config.optimize_ddp = spec.optimize_ddp
+    found = units(model, class_names, spec.scope)
     for unit in found:
         unit.compile(fullgraph=spec.fullgraph, dynamic=spec.dynamic, backend=spec.backend,
                      mode=None if spec.mode == "default" else spec.mode)

@@ -337,13 +337,9 @@ def fake_world(world_size: int) -> Iterator[DeviceMesh | None]:
 
 
 def shard(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh) -> None:
-    """As ``strategy.Fsdp.wrap``: each unit, then the root, with the run's mixed precision."""
-    from torch.distributed.fsdp import fully_shard
-
-    policy = strategy.mixed_precision(cfg.memory, cfg.parallelism)
-    for unit in strategy.shard_units(model, cfg.parallelism.fsdp_units):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    """As ``strategy.Fsdp.wrap`` (``strategy.shard``): each unit, then the root, with the run's
+    mixed precision and resharding."""
+    strategy.shard(model, mesh, cfg.parallelism, cfg.memory)
 
 
 def tracked_steps(cfg: TrainConfig, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -93,6 +93,19 @@ def mixed_precision(memory: MemoryConfig, parallelism: ParallelismConfig) -> Mix
                                 reduce_dtype=reduce)
 
 
+def shard(model: nn.Module, mesh: Any, parallelism: ParallelismConfig, memory: MemoryConfig) -> None:
+    """``fully_shard`` each unit (innermost first), then the root, with the run's mixed precision
+    and ``parallelism.fsdp_reshard_after_forward`` (the units': FSDP2 never reshards the root after
+    forward, whose parameters backward needs first)."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision(memory, parallelism)
+    for unit in shard_units(model, list(parallelism.fsdp_units)):
+        fully_shard(unit, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=parallelism.fsdp_reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: what no unit holds
+
+
 class Ddp:
     is_sharded = False
     name = "ddp"
@@ -137,7 +150,8 @@ class Fsdp(Ddp):
 
     def __init__(self, rt: Runtime, parallelism: ParallelismConfig, memory: MemoryConfig) -> None:
         super().__init__(rt)
-        self.unit_classes, self.policy = list(parallelism.fsdp_units), mixed_precision(memory, parallelism)
+        self.parallelism, self.memory = parallelism, memory
+        self.unit_classes = list(parallelism.fsdp_units)
 
     def build(self, builder: Callable[[], nn.Module]) -> nn.Module:
         """Only rank 0 builds the model's weights (on the host, seeded as under ddp, so both start
@@ -174,16 +188,13 @@ class Fsdp(Ddp):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         if isinstance(model, nn.DataParallel):
             model = model.module
         mesh = init_device_mesh(self.rt.device.type, (self.rt.env.world_size,))
         if self.rt.is_main:
             print(describe_units(model, self.unit_classes), flush=True)
-        for unit in shard_units(model, self.unit_classes):
-            fully_shard(unit, mesh=mesh, mp_policy=self.policy)
-        fully_shard(model, mesh=mesh, mp_policy=self.policy)  # the root: what no unit holds
+        shard(model, mesh, self.parallelism, self.memory)
         return model
 
     def module(self, model: nn.Module) -> nn.Module:

@@ -31,6 +31,7 @@ from orchestrator.training import (
     compiling,
     nonfinite,
     preemption,
+    profiling,
     resume,
     runtime,
     startup,
@@ -328,11 +329,14 @@ class Trainer:
             self.resumed_from["resume_s"] = time.time() - startup.process_start_time()
         window.begin(log)
         eval_loss, eval_counted = float("nan"), 0
-        with tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
+        profiler = profiling.StepProfiler(cfg.profile_steps, cfg.log_every_steps, self.run_dir / "profile",
+                                          self.rt.env.rank, self.rt.device, self.rt.is_main)
+        with profiler, tqdm(total=cfg.optim.max_steps, initial=self.step, desc="train", unit="step",
                   disable=not self.rt.is_main, dynamic_ncols=True) as bar:
             while self.step < cfg.optim.max_steps:
                 logs = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == cfg.optim.max_steps
                 window.add(self.optimizer_step(stream, want_norm=logs))
+                profiler.step()
                 if self.clock.mark("first_step"):  # a dict lookup after the first
                     runtime.start_training_timeout(cfg.cluster)
                     self.first_step_at = time.time()  # a restart's delay ends here (summary)

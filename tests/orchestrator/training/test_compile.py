@@ -341,3 +341,40 @@ def test_a_row_model_over_variable_length_samples_compiles_without_a_storm(
     summary = train(rank, trainer.DataPaths(train=path, eval=None), tmp_path / "run", cfg)
     assert summary["steps"] == 8 and summary["task"] == "Classify"
     assert summary["compile"]["recompiles"] <= 2
+
+
+@pytest.mark.parametrize(("scope", "units"), [("blocks", 3), ("model", 1)])
+def test_compile_scope_compiles_each_block_or_the_whole_model(scope: str, units: int) -> None:
+    """``model.compile_scope=model``: one graph for the whole model, as nanoGPT compiles it."""
+    from jobs.models import GPT
+
+    model = GPT(vocab_size=11, seq_len=8, d_model=8, num_heads=2, num_layers=3)
+    _, spec = compiling.split({"compile": True, "compile_scope": scope, "compile_backend": "eager"})
+    assert compiling.compile_in_place(model, spec, []) == units
+    compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert compiled == ([model] if scope == "model" else list(model.blocks))
+
+
+@pytest.mark.parametrize("optimize_ddp", [True, False])
+def test_compile_optimize_ddp_sets_dynamos_ddp_optimizer_before_the_compile(optimize_ddp: bool) -> None:
+    from torch._dynamo import config as dynamo_config
+
+    before = dynamo_config.optimize_ddp
+    try:
+        _, spec = compiling.split({"compile": True, "compile_optimize_ddp": optimize_ddp})
+        compiling.compile_in_place(torch.nn.Linear(2, 2), spec, [])
+        assert dynamo_config.optimize_ddp is optimize_ddp
+    finally:
+        dynamo_config.optimize_ddp = before
+
+
+def test_a_whole_model_compile_under_fsdp_and_a_bad_scope_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model.compile_scope='model' is invalid: "
+                                          r"parallelism.strategy=fsdp all-gathers each block .* "
+                                          r"\(try model.compile_scope=blocks, or "
+                                          r"parallelism.strategy=ddp\)"):
+        TrainConfig(model=GptConfig(compile=True, compile_scope="model"), task=CausalLmTaskConfig(),
+                    parallelism=ParallelismConfig(strategy="fsdp"))
+    TrainConfig(model=GptConfig(compile=True, compile_scope="model"), task=CausalLmTaskConfig())  # ddp: fine
+    with pytest.raises(ConfigError, match=r"model.compile_scope='layers' is invalid: choose one of"):
+        GptConfig(compile_scope="layers")

@@ -111,6 +111,8 @@ def test_a_strategy_with_an_option_it_cannot_support_is_refused_naming_both(
                                 r"parallelism.strategy=fsdp only"),
     ({"fsdp_reduce_dtype": "bf16"}, r"parallelism.fsdp_reduce_dtype='bf16' is invalid: it applies"),
     ({"strategy": "fsdp", "fsdp_reduce_dtype": "fp8"}, r"choose one of \('fp32', 'bf16'\)"),
+    ({"fsdp_reshard_after_forward": False}, r"parallelism.fsdp_reshard_after_forward=False is invalid: it "
+                                            r"applies to parallelism.strategy=fsdp only"),
 ])
 def test_bad_strategy_values_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -178,3 +180,19 @@ def test_model_compile_compiles_the_blocks_fsdp_shards(build: type[nn.Module], n
     assert set(map(id, compiling.units(model, names))) == set(map(id, shard_units(model, names)))
     spec = compiling.CompileSpec(enabled=True, backend="eager")
     assert compiling.compile_in_place(model, spec, names) == 2  # counted before fsdp renames the classes
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_reshard_after_forward_reaches_every_unit(tmp_path: Path, reshard: bool) -> None:
+    """``parallelism.fsdp_reshard_after_forward=false``: each unit keeps its gathered parameters from
+    its forward to its backward (none gathered again); true: they are freed after the forward."""
+    with one_rank(tmp_path) as rt:
+        fsdp = Fsdp(rt, ParallelismConfig(strategy="fsdp", fsdp_reshard_after_forward=reshard),
+                    MemoryConfig(amp="bf16"))
+        model = fsdp.wrap(RowPoolingMLP(in_features=3, num_classes=2, num_layers=2))
+        out = model(torch.ones(2, 4, 3), torch.ones(2, 4, dtype=torch.bool))
+        states = [block._get_fsdp_state()._fsdp_param_group for block in model.blocks]  # type: ignore[operator]
+        held = [group.is_unsharded for group in states]  # between forward and backward
+        assert held == [not reshard] * 2
+        out.float().sum().backward()
+        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
