@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from orchestrator.entry import shown
+from orchestrator.export import record as exports
 from orchestrator.launch import local_jobs, provenance, slurm_query
 from orchestrator.launch.cancel import SLURM_END_WAIT_S, CancelError, cancel
 from orchestrator.registry.db import (
@@ -405,6 +406,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     # (a registry from before that: its run directory's provenance.json)
     origin = registry.provenance(ref.sweep_id, ref.num) or provenance.read(job.run_dir)
     resumed = provenance.resumed_from(job.run_dir)
+    exported = exports.recorded(Path(job.run_dir))  # switchyard export, checkpoint.export
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
@@ -412,7 +414,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                           "attempts": [a.__dict__ for a in attempts],
                           "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
                           "memory": memory, "warnings": reconciled.warnings, "failure": cause,
-                          "resumed_from": resumed},
+                          "resumed_from": resumed, "exports": exported},
                          indent=1), file=out)
         return 0
     colour = colour_enabled(out)
@@ -422,6 +424,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
         print("\n".join(provenance.lines(origin)), file=out)
     if resumed is not None:  # what it continued from, and the config changes applied
         print("\n".join(provenance.resume_lines(resumed)), file=out)
+    for line in exports.show_lines(exported):
+        print(line, file=out)
     print_warnings(reconciled, out)
     cells = [[str(a.attempt), a.slurm_id or "-", a.state, str(a.requeues),
               "-" if a.exit_code is None else str(a.exit_code), a.node or "-", format_time(a.started_at),
