@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: a save_pretrained directory; safetensors: model.safetensors + its config")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it holds anything")
-    p.add_argument("--max-shard-mb", type=int, default=5000, metavar="MB",
+    p.add_argument("--max-shard-mb", type=float, default=5000, metavar="MB",
                    help="hf: at most MB per safetensors file, then an index (default %(default)s)")
     p.add_argument("--registry", default=None,
                    help="the registry RUN is looked up in (default $SWITCHYARD_REGISTRY or "
@@ -47,6 +47,8 @@ def run(args: argparse.Namespace, run_dir_of: Callable[[str], Path] | None = Non
     try:
         if args.step is not None and args.step < 0:
             raise ExportError(f"--step {args.step}: a step is >= 0 (try the newest: leave --step out)")
+        if not args.max_shard_mb > 0:
+            raise ExportError(f"--max-shard-mb {args.max_shard_mb}: must be > 0 (try --max-shard-mb 5000)")
         run_dir = run_dir_of(args.run) if run_dir_of is not None else Path(args.run)
         record = export(run_dir, args.fmt, args.out, step=args.step, checkpoint_path=args.checkpoint,
                         recorded_as=args.recorded_as, overwrite=args.overwrite, shard_mb=args.max_shard_mb)

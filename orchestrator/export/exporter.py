@@ -30,7 +30,7 @@ class VerificationError(RuntimeError):
 
 def export(run_dir: Path | None, fmt: str, out: Path, *, step: int | None = None,
            checkpoint_path: Path | None = None, recorded_as: Path | None = None,
-           overwrite: bool = False, shard_mb: int = 5000) -> dict[str, Any]:
+           overwrite: bool = False, shard_mb: float = 5000) -> dict[str, Any]:
     """Export ``step`` (the newest when None) of ``run_dir``, or ``checkpoint_path``, as ``fmt``
     into ``out``; returns export.json's content. ``recorded_as``: the checkpoint's own path, when
     ``checkpoint_path`` is a staged link to it (the in-training exporter)."""

@@ -43,10 +43,10 @@ def hf_model(model: nn.Module, eos_id: int | None) -> Any:
                       f"GPT2LMHeadModel); use --format safetensors")
 
 
-def write_hf(model: nn.Module, out: Path, shard_mb: int, tokenizer: dict[str, Any] | None) -> nn.Module:
+def write_hf(model: nn.Module, out: Path, shard_mb: float, tokenizer: dict[str, Any] | None) -> nn.Module:
     """The directory; returns the model written (what the reload is compared against)."""
     written = hf_model(model, tokenizer["eos_id"] if tokenizer else None)
-    written.save_pretrained(out, max_shard_size=f"{shard_mb}MB")
+    written.save_pretrained(out, max_shard_size=max(1, int(shard_mb * 10**6)))  # bytes
     if tokenizer is not None:
         write_tokenizer(tokenizer, out)
     return written
@@ -120,7 +120,7 @@ def reload_safetensors(out: Path, empty: nn.Module) -> nn.Module:
     return empty.eval()
 
 
-def write(fmt: str, model: nn.Module, source: Source, out: Path, shard_mb: int) -> dict[str, Any]:
+def write(fmt: str, model: nn.Module, source: Source, out: Path, shard_mb: float) -> dict[str, Any]:
     """Write ``fmt`` into ``out``; returns what export.json says of the files."""
     if fmt == "hf":
         tokenizer = tokenizer_of(source)

@@ -9,10 +9,11 @@ without a GPU: it rebuilds the model on the host (an fsdp checkpoint's shards re
 tensor: no rank gathers the model), writes ``RUN/exports/step-N-FORMAT`` through a temp directory
 renamed whole, reloads it and compares its logits with the checkpoint's, and records that in its
 ``export.json``. The links keep the checkpoint's bytes while ``keep_last`` prunes the checkpoint
-itself. When exports fall behind, only the newest waiting step is exported (the others are
-counted as skipped); the end of the run waits for the running one. At a preemption stop the
-running export is ended: it leaves no export behind, only a partial directory the next start
-removes.
+itself. Due steps are exported in order; when exports fall behind and ``MAX_WAITING`` steps
+already wait, the oldest waiting one is dropped (counted as skipped: its links, the disk a
+pruned checkpoint still holds, are freed). The end of the run waits for the exports queued.
+At a preemption stop the running export is ended: it leaves no export behind, only a partial
+directory the next start removes.
 
 ``checkpoint.keep_exports``: null, an export is pruned once its checkpoint is; N, the newest N
 exports are kept whatever ``keep_last`` prunes.
@@ -21,7 +22,6 @@ exports are kept whatever ``keep_last`` prunes.
 from __future__ import annotations
 
 import os
-import queue
 import re
 import shutil
 import signal
@@ -39,6 +39,7 @@ from orchestrator.config import CheckpointConfig, ConfigError
 from orchestrator.training import checkpoint
 
 EXPORTS_DIR = "exports"
+MAX_WAITING = 2  # due steps waiting beside the one exporting; an older one is dropped for a newer
 _PUBLISHED = re.compile(r"^step-(\d{9})-(hf|safetensors)$")
 # transformers' PreTrainedModel and Switchyard's model=gpt (GPT2LMHeadModel): what --format hf writes
 _HF_CLASSES = ("transformers.modeling_utils.PreTrainedModel", "jobs.models.GPT")
@@ -90,7 +91,9 @@ class Exporter:
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".*"):  # a killed run's staged links and partial exports
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-        self.pending: queue.Queue[tuple[int, Path] | None] = queue.Queue()
+        self.waiting: list[tuple[int, Path]] = []  # (step, staged checkpoint), oldest first
+        self.closed = False  # finish or abandon: nothing more is queued
+        self.changed = threading.Condition()
         self.lock = threading.Lock()  # pruning from the saving thread and the worker
         self.process: subprocess.Popen[bytes] | None = None
         self.worker = threading.Thread(target=self._work, name="exporter", daemon=True)
@@ -106,7 +109,7 @@ class Exporter:
         started = time.perf_counter()
         try:
             if self.due(step):
-                self.pending.put((step, self._stage(step, path)))
+                self._queue(step, self._stage(step, path))
             self.prune()
         except OSError as e:
             self.stats.failed.append(f"step {step}: could not stage {path}: {e}")
@@ -127,19 +130,24 @@ class Exporter:
                 _link_or_copy(str(source), str(staged.parent / source.name))
         return staged
 
+    def _queue(self, step: int, staged: Path) -> None:
+        with self.changed:
+            self.waiting.append((step, staged))
+            if len(self.waiting) > MAX_WAITING:
+                dropped, links = self.waiting.pop(0)
+                self.stats.skipped.append(dropped)
+                shutil.rmtree(links.parent, ignore_errors=True)
+            self.changed.notify()
+
+    def _next(self) -> tuple[int, Path] | None:
+        """The oldest waiting step; None once closed and nothing waits (or when abandoned)."""
+        with self.changed:
+            while not self.waiting and not self.closed:
+                self.changed.wait()
+            return self.waiting.pop(0) if self.waiting else None
+
     def _work(self) -> None:
-        while (item := self.pending.get()) is not None:
-            while True:  # only the newest waiting step: older ones are superseded
-                try:
-                    newer = self.pending.get_nowait()
-                except queue.Empty:
-                    break
-                if newer is None:
-                    self.pending.put(None)
-                    break
-                self.stats.skipped.append(item[0])
-                shutil.rmtree(item[1].parent, ignore_errors=True)
-                item = newer
+        while (item := self._next()) is not None:
             self._export(*item)
 
     def _export(self, step: int, staged: Path) -> None:
@@ -185,17 +193,28 @@ class Exporter:
     def finish(self) -> None:
         """At the end: the queued export runs to its end (the job must not outlive its process)."""
         started = time.perf_counter()
-        self.pending.put(None)
+        self._close(drop=False)
         self.worker.join()
         self.stats.end_wait_s += time.perf_counter() - started
 
     def abandon(self) -> None:
         """At a stop: nothing more is exported; the running export is ended (it publishes nothing)."""
-        self.pending.put(None)
+        self._close(drop=True)
         process = self.process
         if process is not None and process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
         self.worker.join(timeout=30)
+
+
+    def _close(self, drop: bool) -> None:
+        with self.changed:
+            self.closed = True
+            if drop:
+                for step, links in self.waiting:
+                    self.stats.skipped.append(step)
+                    shutil.rmtree(links.parent, ignore_errors=True)
+                self.waiting.clear()
+            self.changed.notify()
 
 
 def _link_or_copy(source: str, target: str) -> None:
