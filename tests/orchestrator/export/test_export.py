@@ -13,13 +13,13 @@ import re
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from export_helpers import bpe_dataset
 from train_helpers import CHEAP, run_train
 
 from jobs.models import GPT
@@ -30,24 +30,11 @@ from orchestrator.sweeps import status
 from orchestrator.training import checkpoint
 
 transformers = pytest.importorskip("transformers")
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc
-
-
-def bpe_dataset(root: Path) -> Path:
-    """Two stdlib modules as a byte-level BPE of 300 ids (jobs.prepare stores its tokenizer.json)."""
-    source = root / "src"
-    source.mkdir()
-    for name in ("textwrap.py", "string.py"):
-        (source / name).write_bytes((STDLIB / name).read_bytes())
-    ok(subprocess.run([sys.executable, "-m", "jobs.prepare", f"input={source}", f"output={root / 'bpe'}",
-                       "format=text", "tokenizer=bpe", "tokenizer_vocab=300"],
-                      capture_output=True, text=True, timeout=300))
-    return root / "bpe"
 
 
 @pytest.fixture(scope="module")
