@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.training": BASE | {"orchestrator.launch", "orchestrator.telemetry", "sharding"},
     "orchestrator.sweeps": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                    "orchestrator.training", "orchestrator.export"},
+    # checkpoints as files other tools load: reads the training's checkpoints and rebuilds its models
+    "orchestrator.export": BASE | {"orchestrator.training", "sharding"},
     # your own command or function as a job: no trainer
     "orchestrator.scripts": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry"},
     "orchestrator.cli": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 from export_helpers import bpe_dataset
-from train_helpers import CHEAP, run_train
+from rank_helpers import write_rows_dataset
+from train_helpers import CHEAP, refusal, run_train
 
 from orchestrator.config import CheckpointConfig
 from orchestrator.training import checkpoint, exporting, sharded_checkpoint
@@ -111,3 +112,26 @@ def test_every_export_every_th_checkpoint_and_the_last_is_due(tmp_path: Path) ->
         assert [s for s in range(10) if exporter.due(s)] == [0, 4, 8, 9]  # every 2 x 2 steps, and 9
     finally:
         exporter.finish()
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("checkpoint.export=onnx", "checkpoint.export='onnx' is invalid: must be null or one of ['hf', "
+                               "'safetensors'] (try checkpoint.export=hf)"),
+    ("checkpoint.export_every=0", "checkpoint.export_every=0 is invalid: must be >= 1 (try "
+                                  "checkpoint.export_every=1)"),
+    ("checkpoint.keep_exports=0", "checkpoint.keep_exports=0 is invalid: must be null (pruned with its "
+                                  "checkpoint) or >= 1 (try checkpoint.keep_exports=2)"),
+])
+def test_bad_export_keys_are_refused_naming_the_key_and_the_fix(override: str, expected: str) -> None:
+    assert refusal(override) == f"error: {expected}"
+
+
+def test_export_hf_of_a_model_transformers_cannot_represent_is_refused_before_submission(
+        tmp_path: Path) -> None:
+    rows = write_rows_dataset(tmp_path / "rows", 8, features=3, classes=2, max_rows=4)
+    assert refusal("model=mlp", f"data.path={rows}", "data.num_classes=2", "checkpoint.export=hf") == (
+        "error: checkpoint.export=hf is invalid for model jobs.models.RowPoolingMLP: transformers can "
+        "represent a PreTrainedModel, and model=gpt as GPT2LMHeadModel, not this model (try "
+        "checkpoint.export=safetensors)")
+    with pytest.raises(AssertionError, match="nothing refused it"):  # safetensors takes any model
+        refusal("model=mlp", f"data.path={rows}", "data.num_classes=2", "checkpoint.export=safetensors")
