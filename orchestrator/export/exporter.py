@@ -49,9 +49,11 @@ def export(run_dir: Path | None, fmt: str, out: Path, *, step: int | None = None
     publish.check_out(out, overwrite, protected)
     found = source.open_source(path, run_dir)
     model = source.build(found)
+    if fmt == "hf":
+        formats.check_hf(model)  # a model transformers cannot represent: refused before any write
     with publish.publishing(out, overwrite) as partial:
         files = formats.write(fmt, model, found, partial, shard_mb)
-        reloaded = formats.reload_hf(partial) if fmt == "hf" else \
+        reloaded = formats.reload_hf(partial, next(model.parameters()).dtype) if fmt == "hf" else \
             formats.reload_safetensors(partial, _empty(found))
         batch = verify.fixed_batch(resume.model_of(found.state["compat"])[1])
         result = verify.compare(model, reloaded, batch,  # the checkpoint's own model, as trained

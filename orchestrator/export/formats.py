@@ -27,20 +27,28 @@ SAFETENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "switchyard_config.json"
 
 
-def hf_model(model: nn.Module, eos_id: int | None) -> Any:
-    """What ``save_pretrained`` writes for ``model``, or an ExportError naming why not."""
+def check_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is written as it is (a PreTrainedModel: True) or mapped (model=gpt:
+    False); an ExportError naming why transformers cannot represent it otherwise. Converts
+    nothing: called before anything is written."""
     try:
         from transformers import PreTrainedModel
     except ImportError as e:
         raise ExportError("--format hf needs transformers: pip install 'switchyard[hf]' (or use "
                           "--format safetensors)") from e
     if isinstance(model, PreTrainedModel):
-        return model
+        return True
     if gpt2.is_gpt(model):
-        return gpt2.convert(model, eos_id)
+        gpt2.config(model)  # raises, naming what GPT-2 cannot represent
+        return False
     raise ExportError(f"--format hf: model {gpt2.class_path(model)} is not a transformers model, and "
                       f"transformers cannot represent it (it can: any PreTrainedModel, and model=gpt as "
                       f"GPT2LMHeadModel); use --format safetensors")
+
+
+def hf_model(model: nn.Module, eos_id: int | None) -> Any:
+    """What ``save_pretrained`` writes for ``model``: itself, or model=gpt's GPT2LMHeadModel."""
+    return model if check_hf(model) else gpt2.convert(model, eos_id)
 
 
 def write_hf(model: nn.Module, out: Path, shard_mb: float, tokenizer: dict[str, Any] | None) -> nn.Module:
@@ -52,15 +60,16 @@ def write_hf(model: nn.Module, out: Path, shard_mb: float, tokenizer: dict[str, 
     return written
 
 
-def reload_hf(out: Path) -> nn.Module:
-    """As a user would: the class ``config.json`` names, ``from_pretrained``, in fp32."""
+def reload_hf(out: Path, dtype: torch.dtype) -> nn.Module:
+    """As a user would: the class ``config.json`` names, ``from_pretrained``, in ``dtype`` (the
+    checkpoint model's: fp32 as Switchyard trains, or a pretrained model's own bf16)."""
     import transformers
 
     names = json.loads((out / "config.json").read_text()).get("architectures") or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:  # a model of the user's own class: what AutoModelForCausalLM maps its config to
         cls = transformers.AutoModelForCausalLM
-    loaded: nn.Module = cls.from_pretrained(out, dtype=torch.float32)
+    loaded: nn.Module = cls.from_pretrained(out, dtype=dtype)
     return loaded.eval()
 
 
