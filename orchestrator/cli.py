@@ -9,9 +9,11 @@ import re
 import select
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from orchestrator.entry import PathError, checked, existing_dir, existing_file, new_file, shown
+from orchestrator.export import command as export_command
 from orchestrator.launch import local_jobs
 from orchestrator.localcluster import cluster
 from orchestrator.localcluster import command as cluster_command
@@ -53,6 +55,33 @@ def _plot(args: argparse.Namespace) -> int:
         return 2
     print(out)
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    return export_command.run(args, functools.partial(_run_dir_of, registry=args.registry))
+
+
+def _run_dir_of(run: str, registry: str | None) -> Path:
+    """``switchyard export``'s RUN: a directory as it is, else a job of the registry (SWEEP/NUM,
+    a SLURM id): its run directory."""
+    from orchestrator.export.source import ExportError
+    from orchestrator.registry.db import Registry, RegistryError, default_path
+    from orchestrator.sweeps import status
+
+    given = Path(run).expanduser()
+    if given.is_dir():
+        return given
+    where = Path(registry).expanduser() if registry else default_path()
+    if not where.is_file():
+        raise ExportError(f"RUN={run!r} is not a directory, and there is no registry at {where} to look "
+                          f"it up in: name a run directory (printed as run_dir: at start)")
+    try:
+        with Registry(where) as reg:
+            ref = status.parse_ref(reg, run, want_job=True)
+            return Path(reg.job(ref.sweep_id, ref.num or 0).run_dir)
+    except (status.CommandError, RegistryError) as e:
+        raise ExportError(f"RUN={run!r} is neither a directory nor a job of the registry: "
+                          f"{one_line(e)}") from e
 
 
 RUN_USAGE = "switchyard run [--dry-run] [key=value ...] [-m] -- COMMAND [ARG ...]"
@@ -191,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plot)
 
     sub.add_parser("run", help="any command as every rank of a job: " + RUN_USAGE, add_help=False)
+
+    p = sub.add_parser("export", help="a checkpoint as a Hugging Face directory or safetensors, "
+                                      "reloaded and verified", epilog=export_command.EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    export_command.add_arguments(p)
+    p.set_defaults(func=_export)
 
     _add_sweep_commands(sub)
     return parser

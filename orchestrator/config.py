@@ -945,6 +945,9 @@ class MemoryConfig:
                           "memory.estimate=warn")
 
 
+EXPORT_FORMATS = ("hf", "safetensors")  # switchyard export --format, checkpoint.export
+
+
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # null: RUN_DIR/checkpoints
@@ -960,8 +963,28 @@ class CheckpointConfig:
     # newest good one). Without it a run resumes only checkpoints it wrote itself; once it has its
     # own, a requeue continues from those (orchestrator/training/resume.py).
     resume_from: str | None = None
+    # Export while training, off the step loop (orchestrator/training/exporting.py): hf (a
+    # save_pretrained directory) or safetensors (model.safetensors + the composed config), each
+    # into RUN/exports/step-N-FORMAT, reloaded and compared with its checkpoint in a subprocess.
+    export: str | None = None
+    export_every: int = 1  # every K-th checkpoint (steps that are multiples of every_steps x K), and the last
+    # null: an export is pruned with its checkpoint (keep_last); N: the newest N exports are kept
+    keep_exports: int | None = None
+    export_shard_mb: int = 5000  # hf: a safetensors file holds at most this many MB (then an index)
 
     def __post_init__(self) -> None:
+        if self.export not in (None, *EXPORT_FORMATS):
+            raise invalid("checkpoint.export", self.export, f"must be null or one of {list(EXPORT_FORMATS)}",
+                          "checkpoint.export=hf")
+        if self.export_every < 1:
+            raise invalid("checkpoint.export_every", self.export_every, "must be >= 1",
+                          "checkpoint.export_every=1")
+        if self.keep_exports is not None and self.keep_exports < 1:
+            raise invalid("checkpoint.keep_exports", self.keep_exports,
+                          "must be null (pruned with its checkpoint) or >= 1", "checkpoint.keep_exports=2")
+        if self.export_shard_mb < 1:
+            raise invalid("checkpoint.export_shard_mb", self.export_shard_mb, "must be >= 1",
+                          "checkpoint.export_shard_mb=5000")
         if self.every_steps < 0:
             raise invalid("checkpoint.every_steps", self.every_steps, "must be >= 0",
                           "checkpoint.every_steps=100")

@@ -35,11 +35,14 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.telemetry": BASE,
     "orchestrator.training": BASE | {"orchestrator.launch", "orchestrator.telemetry", "sharding"},
     "orchestrator.sweeps": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
-                                   "orchestrator.training"},
+                                   "orchestrator.training", "orchestrator.export"},
+    # checkpoints as files other tools load: reads the training's checkpoints and rebuilds its models
+    "orchestrator.export": BASE | {"orchestrator.training", "sharding"},
     # your own command or function as a job: no trainer
     "orchestrator.scripts": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry"},
     "orchestrator.cli": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                 "orchestrator.training", "orchestrator.sweeps", "orchestrator.scripts",
+                                "orchestrator.export",
                                 "orchestrator.localcluster", "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
     "jobs": {"orchestrator", "sharding"},

@@ -18,7 +18,14 @@ is never used. Under fsdp the model is sharded per block of the classes it names
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
 
 def gpt2(vocab_size: int, seq_len: int, n_layer: int = 2, n_embd: int = 32,
@@ -27,6 +34,16 @@ def gpt2(vocab_size: int, seq_len: int, n_layer: int = 2, n_embd: int = 32,
     return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd,
                                       n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def llama(vocab_size: int, seq_len: int, hidden_size: int = 32, num_hidden_layers: int = 2,
+          num_attention_heads: int = 4, num_key_value_heads: int = 2) -> PreTrainedModel:
+    """A new Llama-style model (RMSNorm, rotary positions, SwiGLU, grouped-query attention)."""
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, max_position_embeddings=seq_len, hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None))
 
 
 def pretrained(path: str, vocab_size: int, seq_len: int) -> PreTrainedModel:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from orchestrator.entry import shown
+from orchestrator.export import record as exports
 from orchestrator.launch import hang_dumps, local_jobs, provenance, slurm_query
 from orchestrator.launch.bad_nodes import STRAGGLERS_FILE
 from orchestrator.launch.cancel import SLURM_END_WAIT_S, CancelError, cancel
@@ -405,6 +406,7 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
     resumed = provenance.resumed_from(job.run_dir)
     hang = hang_dumps.recorded(Path(job.run_dir))  # where each rank was when a collective hung
     slow = _read_json_list(Path(job.run_dir) / STRAGGLERS_FILE)  # ranks flagged as persistently late
+    exported = exports.recorded(Path(job.run_dir))  # switchyard export, checkpoint.export
     if as_json:
         print(json.dumps({"job": job.ref, "app": sweep.app, "overrides": job.overrides,
                           "run_dir": job.run_dir, "resources": job.resources, "provenance": origin,
@@ -412,7 +414,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
                           "attempts": [a.__dict__ for a in attempts],
                           "avoided_nodes": {a.attempt: avoided[a.id] for a in attempts if a.id in avoided},
                           "memory": memory, "warnings": reconciled.warnings, "failure": cause,
-                          "resumed_from": resumed, "hang": hang, "stragglers": slow},
+                          "resumed_from": resumed, "hang": hang, "stragglers": slow,
+                          "exports": exported},
                          indent=1), file=out)
         return 0
     colour = colour_enabled(out)
@@ -422,6 +425,8 @@ def cmd_show(registry: Registry, target: str, as_json: bool, out: IO[str] = sys.
         print("\n".join(provenance.lines(origin)), file=out)
     if resumed is not None:  # what it continued from, and the config changes applied
         print("\n".join(provenance.resume_lines(resumed)), file=out)
+    for line in exports.show_lines(exported):
+        print(line, file=out)
     print_warnings(reconciled, out)
     cells = [[str(a.attempt), a.slurm_id or "-", a.state, str(a.requeues),
               "-" if a.exit_code is None else str(a.exit_code), a.node or "-", format_time(a.started_at),

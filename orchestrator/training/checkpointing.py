@@ -66,6 +66,12 @@ class Checkpointer(abc.ABC):
         self.rt, self.cfg, self.directory = rt, cfg, directory
         self.stats = SaveStats()
         self.pending: _Background | None = None
+        # rank 0, once a checkpoint is published (step, path, on the loop's thread?): the exporter
+        self.after_save: Callable[[int, Path, bool], None] | None = None
+
+    def _published(self, step: int, path: Path, on_loop: bool) -> None:
+        if self.after_save is not None and self.rt.is_main:
+            self.after_save(step, path, on_loop)
 
     @abc.abstractmethod
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -148,13 +154,15 @@ class SingleFile(Checkpointer):
             state = {**train_state, "model": self.module(model).state_dict(),
                      "optimizer": optimizer.state_dict()}
             if blocking or not self.cfg.async_save:
-                checkpoint.save(self.directory, step, state, self.cfg.keep_last)
+                path = checkpoint.save(self.directory, step, state, self.cfg.keep_last)
                 self._record(time.perf_counter() - started)
+                self._published(step, path, True)
             else:
                 staged = self.host.copy(state)
                 self.pending = _Background(
                     checkpoint.path_for(self.directory, step), started,
-                    lambda: checkpoint.save(self.directory, step, staged, self.cfg.keep_last))
+                    lambda: self._published(
+                        step, checkpoint.save(self.directory, step, staged, self.cfg.keep_last), False))
         dist.barrier()  # no rank runs ahead of the state being copied (or written, when blocking)
         self.stats.saves += 1
         self.stats.blocking_s += time.perf_counter() - started
@@ -186,14 +194,15 @@ class Sharded(Checkpointer):
         self._join()  # one save at a time: its group's collectives run in the same order everywhere
         shards = sharded_checkpoint.tensors(model, optimizer)
         if blocking or not self.cfg.async_save:
-            sharded_checkpoint.save(self.directory, step, shards, train_state, self.cfg.keep_last)
+            path = sharded_checkpoint.save(self.directory, step, shards, train_state, self.cfg.keep_last)
             self._record(time.perf_counter() - started)
+            self._published(step, path, True)
         else:
             staged, group = self.host.copy(shards), self.group
             self.pending = _Background(
                 sharded_checkpoint.path_for(self.directory, step), started,
-                lambda: sharded_checkpoint.save(self.directory, step, staged, train_state,
-                                                self.cfg.keep_last, group))
+                lambda: self._published(step, sharded_checkpoint.save(
+                    self.directory, step, staged, train_state, self.cfg.keep_last, group), False))
         self.stats.saves += 1
         self.stats.blocking_s += time.perf_counter() - started
 

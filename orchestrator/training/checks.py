@@ -16,7 +16,7 @@ from torch import nn
 
 from orchestrator.config import ConfigError, TrainConfig, group_dict
 from orchestrator.launch import slurm_request, submit
-from orchestrator.training import estimate, resume, run_log, strategy
+from orchestrator.training import estimate, exporting, resume, run_log, strategy
 from orchestrator.training.eval_data import check_eval_matches
 from orchestrator.training.step import build_model, build_model_on_meta
 from orchestrator.training.tasks import Batch, Task, build_task
@@ -126,6 +126,7 @@ def check_model(cfg: TrainConfig, task: Task, train: ShardedDataset) -> None:
         raise ConfigError(f"model._target_={group_dict(cfg.model).get('_target_')!r} cannot be built "
                           f"with its config ({', '.join(f'model.{k}={v!r}' for k, v in spec.items())}): "
                           f"{first} (fix the model.* value)") from e
+    exporting.check_exportable(cfg.checkpoint, model)  # checkpoint.export=hf of a model it cannot write
     if cfg.parallelism.strategy == "fsdp":  # what it would shard: nothing is refused here
         strategy.shard_units(model, cfg.parallelism.fsdp_units)
     if any(not p.is_meta for p in model.parameters()):  # its factory loaded weights: two samples

@@ -74,6 +74,15 @@ def compatibility(cfg: TrainConfig, dataset_kwargs: dict[str, Any], data_fingerp
             "samples_per_step": cfg.data.batch_size * cfg.optim.grad_accum_steps}
 
 
+_RUN_KEYS = ("model", "task", "optimizer", "amp_scaler", "strategy", "seed", "data", "samples_per_step")
+
+
+def model_of(compat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the model's config, what it took from the dataset) from a checkpoint's ``compat``: what
+    rebuilds the model a checkpoint's weights belong to (``switchyard export``)."""
+    return dict(compat["model"]), {k: v for k, v in compat.items() if k not in _RUN_KEYS}
+
+
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     changed = [f"{_KEY_NAMES.get(k, k)}: checkpoint {saved.get(k, _COMPAT_BEFORE.get(k))!r}, now {v!r}"
                for k, v in current.items()

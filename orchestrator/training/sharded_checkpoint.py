@@ -158,6 +158,11 @@ def _problems(path: Path, rank: int, world: int) -> list[str]:
     return problems
 
 
+def problems(path: Path) -> list[str]:
+    """Every file of ``path`` checked by one process (``switchyard export``): empty when intact."""
+    return _problems(path, 0, 1)
+
+
 def choose(candidates: list[Path]) -> tuple[Path | None, list[str]]:
     """The newest of ``candidates`` (newest first, the same list on every rank) whose every file is
     intact, and why newer ones were skipped. Collective; every rank gets the same answer."""

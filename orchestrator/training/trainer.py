@@ -29,6 +29,7 @@ from orchestrator.launch.heartbeat import Heartbeat
 from orchestrator.training import (
     checkpointing,
     compiling,
+    exporting,
     nonfinite,
     preemption,
     profiling,
@@ -86,6 +87,11 @@ class Trainer:
         self.amp = self.strategy.autocast_amp(cfg.memory.amp)  # what the step's autocast runs
         self.checkpointer = checkpointing.for_run(self.strategy.name, rt, cfg.checkpoint,
                                                   self.checkpoint_dir, self.strategy.module)
+        self.exporter = exporting.Exporter(cfg.checkpoint, run_dir, self.checkpoint_dir,
+                                           cfg.optim.max_steps) \
+            if cfg.checkpoint.export and rt.is_main else None  # checkpoint.export: rank 0, off the loop
+        if self.exporter is not None:
+            self.checkpointer.after_save = self.exporter.saved
         self.compile_spec = compiling.spec_of(cfg.model)  # activation checkpointing, compile, wrap
         self.compiled_units = 0
         self.model = self.strategy.build(lambda: self.compiled(build_model(cfg.model, dataset_kwargs,
@@ -358,6 +364,8 @@ class Trainer:
                 if reason != preemption.StopReason.NONE and not last:
                     stops.drain()
                     self.save_checkpoint(blocking=True)
+                    if self.exporter is not None:  # the time left is the checkpoint's, not an export's
+                        self.exporter.abandon()
                     preemption.leave(reason, self.rt.env, cfg.cluster.max_requeues, self.step,
                                      self.checkpoint_dir, self.run_dir)
         stops.drain()
@@ -365,6 +373,8 @@ class Trainer:
         if self.data.eval_ds is not None and not self.due(cfg.eval_every_steps):
             eval_loss, eval_counted = self.evaluate(log)
         self.save_checkpoint(blocking=True)  # on disk, whole, before the process can exit
+        if self.exporter is not None:  # the last export too: the job must not end under it
+            self.exporter.finish()
         self.clock.mark("final_checkpoint")
         return self.summarise(window.last_loss, eval_loss, eval_counted, time.perf_counter() - start)
 
@@ -427,5 +437,6 @@ class Trainer:
             "optim_implementation": optimizer_implementation(self.optimizer),
             **self.lateness.as_summary(),
             **restarts.summary(self.rt.env.restart, self.first_step_at),
+            "exports": self.exporter.stats.as_summary() if self.exporter is not None else None,
         }
         return finite_or_null(summary)  # what summary.json, the caller and the terminal all get
