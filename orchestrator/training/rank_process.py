@@ -17,7 +17,7 @@ import torch
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, TrainConfig
-from orchestrator.launch import dist_env, rendezvous, run_lock
+from orchestrator.launch import dist_env, rank_env, rendezvous, run_lock
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import clear_end_summary, register_rank
 from orchestrator.telemetry.preflight import preflight
@@ -90,7 +90,7 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     runtime.set_tf32(rt.device, cfg.memory.tf32)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_for(cfg.cluster.collective_timeout_s))
     try:
-        with pulse:
+        with pulse, rank_env.exported(env, run / "rendezvous"):  # torchrun's variables for the user's code
             with sampler or contextlib.nullcontext():
                 rank_trainer = Trainer(cfg, paths, run, rt, pulse, clock)
                 runtime.report_nccl_transport(rt)  # the model's broadcast has connected NCCL
