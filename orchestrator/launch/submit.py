@@ -252,6 +252,8 @@ class RankEntry:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         env = dist_env.detect()
+        if env.source == "local":  # on SLURM, srun (or the node launcher) takes its ranks along
+            local_jobs.die_with_controller()
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
                                  local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
         snap = snapshot.current()
