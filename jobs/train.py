@@ -169,7 +169,8 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     if memory is not None:
         print(memory.line(), flush=True)
         estimate.write_report(run_dir, memory)  # rank 0 puts it in summary.json beside the peak
-    job = submit.submit(executor, train_job, cfg, paths, str(run_dir))
+    with single.submitting(cfg.cluster, run_dir):
+        job = submit.submit(executor, train_job, cfg, paths, str(run_dir))
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
                                        config_yaml)

@@ -170,7 +170,8 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     if cfg.cluster.dry_run:
         print(submit.dry_run_text(executor, run_dir / "submitit"), end="")
         return None
-    job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
+    with single.submitting(cfg.cluster, run_dir):
+        job = submit.submit(executor, rank.run_rank, spec, str(run_dir))
     command = f"{' '.join(overrides)} -- {shlex.join(spec.argv)}".strip()
     recorded = single.record_submitted(APP, command, job, run_dir, list(overrides), config_yaml)
     results = single.follow(cfg.cluster, recorded, job, run_dir)
