@@ -174,7 +174,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     # A single job is a sweep of one in the registry: `switchyard status/show/logs/cancel` know it.
     recorded = single.record_submitted("train", " ".join(overrides), job, run_dir, list(overrides),
                                        config_yaml)
-    results = single.follow(cfg.cluster, recorded, job, run_dir)
+    results = single.follow(cfg.cluster, recorded, job, run_dir, cfg.optim.max_steps)
     return None if results is None else report(results[0], run_dir)
 
 

@@ -25,7 +25,7 @@ from submitit.local.local import LocalJob
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig
-from orchestrator.launch import local_jobs, provenance, submit
+from orchestrator.launch import local_jobs, progress, provenance, submit
 from orchestrator.registry.db import (
     SINGLE_ENTRY,
     SINGLE_NUM,
@@ -137,19 +137,27 @@ def submitting(cluster: ClusterConfig, run_dir: Path) -> contextlib.AbstractCont
     return contextlib.nullcontext()
 
 
-def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[R], run_dir: Path
-           ) -> list[R] | None:
+def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[R], run_dir: Path,
+           total_steps: int | None = None) -> list[R] | None:
     """After a single job's submission: on SLURM say where it is, then (unless
     ``cluster.wait=false``: None, saying how to follow and stop it) watch it while it pends and
-    return every rank's result."""
+    return every rank's result. While it waits, stderr shows the queue state, then rank 0's
+    progress (``progress``: of ``total_steps`` where the job has a known length)."""
     if cluster.mode == "slurm":
         print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
-    if not cluster.wait and cluster.mode != "debug":  # a debug job has run already, here
+    if cluster.mode == "debug":  # it runs here, as results() asks for it: its own bar is on stderr
+        return results(recorded, job, run_dir)
+    if not cluster.wait:
         print(not_waiting(cluster, recorded, job), flush=True)
         return None
-    if cluster.mode == "slurm":
-        submit.watch_pending(job, cluster.never_starts)
-    return results(recorded, job, run_dir)
+    display = progress.Display()
+    try:
+        if cluster.mode == "slurm":
+            submit.watch_pending(job, cluster.never_starts, on_wait=display.pending)
+        with progress.following(run_dir, total_steps, display):
+            return results(recorded, job, run_dir)
+    finally:
+        display.clear()
 
 
 def not_waiting(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[Any]) -> str:
