@@ -21,8 +21,9 @@ to every rank still alive; ``kill`` skips the grace. Killing the ranks ends the 
 it sees every task exit and returns. Only psutil here: ``switchyard cancel`` stays light.
 
 A controller killed outright (``kill -9``, the OOM killer) is what srun's death is on SLURM: each
-rank asked the kernel to kill it then (``die_with_controller``), and whatever still runs of the
-job (a process a rank started) is found by ``leftover_ranks`` for ``switchyard cancel``.
+rank asked the kernel to kill it then (``die_with_controller``), and a listed rank still running
+(one forked before it asked, and what it started) is found by ``leftover_ranks`` for ``switchyard
+cancel``.
 """
 
 from __future__ import annotations
