@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from orchestrator.launch import local_jobs, slurm_query
 from orchestrator.registry.db import Attempt, Observation, Registry
@@ -26,23 +28,48 @@ def has_ended(attempt: Attempt) -> bool:
     return attempt.state in TERMINAL_STATES or ended_itself
 
 
-def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str
-           ) -> tuple[list[Attempt], list[str]]:
+@dataclass(frozen=True)
+class Cancelled:
+    """What a cancel did: the attempts it stopped (now CANCELLED in the registry), the SLURM ids
+    still ending, and, for local jobs whose controller had died, how many of their processes
+    (ranks, and what they started) it found still running and stopped, by job id."""
+
+    attempts: list[Attempt]
+    ending: list[str]
+    leftovers: dict[str, int] = field(default_factory=dict)
+
+
+def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str) -> Cancelled:
     """Stop the live attempts of a sweep (or of its job ``num``): the one check and the one way
     that ``switchyard cancel`` and the function API's ``Job.cancel()`` share. An attempt that has
-    ended (``has_ended``) is left as it is, so a finished job stays COMPLETED. Returns the
-    attempts cancelled (now CANCELLED in the registry) and the SLURM ids still ending."""
+    ended (``has_ended``) is left as it is, so a finished job stays COMPLETED; but a local job's
+    ranks left running after their controller died (killed outright) are stopped whatever the
+    registry says: the job has ended, they have not."""
     for warning in reconcile(registry, [sweep_id], ask_slurm=slurm_query.query_states).warnings:
         print(f"warning: {warning}", file=sys.stderr)
     executor = registry.sweep(sweep_id).executor
-    live = [a for a in registry.latest_attempts(sweep_id).values()
-            if (num is None or a.num == num) and a.slurm_id and not has_ended(a)]
+    latest = [a for a in registry.latest_attempts(sweep_id).values()
+              if (num is None or a.num == num) and a.slurm_id]
+    live = [a for a in latest if not has_ended(a)]
     cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live, grace_s)
     ending = _wait_slurm_ended([str(a.slurm_id) for a in cancelled]) if executor == "slurm" else []
+    leftovers = _stop_leftovers(latest, grace_s) if executor == "local" else {}
+    cancelled += [a for a in live if str(a.slurm_id) in leftovers and a not in cancelled]
     now = time.time()
     registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
                                  error=f"cancelled with {by}{_where(a)}") for a in cancelled)
-    return cancelled, ending
+    return Cancelled(cancelled, ending, leftovers)
+
+
+def _stop_leftovers(attempts: list[Attempt], grace_s: float) -> dict[str, int]:
+    """job id -> how many of its processes were left running after its controller died, now stopped."""
+    stopped = {}
+    for attempt in attempts:
+        found = local_jobs.leftover_ranks(int(str(attempt.slurm_id)),
+                                          Path(attempt.log_dir) if attempt.log_dir else None)
+        if found:
+            stopped[str(attempt.slurm_id)] = local_jobs.stop_leftovers(found, grace_s)
+    return stopped
 
 
 def _where(attempt: Attempt) -> str:

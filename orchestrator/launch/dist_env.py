@@ -4,8 +4,9 @@ Everything else asks :func:`detect` for a frozen :class:`DistEnv` instead of rea
 so the question "which rank am I, and who is rank 0" has exactly one answer in the code base.
 
 Precedence, most specific first: submitit's local executor (``SUBMITIT_LOCAL_GLOBALID``), torchrun
-(``TORCHELASTIC_RUN_ID``), a SLURM job step (``SLURM_STEP_ID``), else a single process. A torchrun
-or local launch inside an ``salloc`` shell therefore is not mistaken for the surrounding allocation.
+(``TORCHELASTIC_RUN_ID``, or its rank variables where Switchyard did not export them itself), a
+SLURM job step (``SLURM_STEP_ID``), else a single process. A torchrun or local launch inside an
+``salloc`` shell therefore is not mistaken for the surrounding allocation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 Source = Literal["slurm", "torchrun", "local", "single"]
+
+# Set beside torchrun's variables where a Switchyard rank exported them itself (``rank_env.exported``):
+# they describe the launch this module read, so they are not a torchrun launch of their own.
+EXPORTED_ENV = "SWITCHYARD_TORCHRUN_VARS"
 
 
 class DistEnvError(RuntimeError):
@@ -62,7 +67,8 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     if "SUBMITIT_LOCAL_GLOBALID" in env:
         return _from_submitit_local(env)
-    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "LOCAL_RANK" in env and "WORLD_SIZE" in env):
+    if "TORCHELASTIC_RUN_ID" in env or (
+            "RANK" in env and "LOCAL_RANK" in env and "WORLD_SIZE" in env and EXPORTED_ENV not in env):
         return _from_torchrun(env)
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         return _from_slurm(env)

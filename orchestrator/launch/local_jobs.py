@@ -19,11 +19,17 @@ controllers' output at a log file instead.
 So ``terminate`` mirrors ``scancel``: SIGTERM, a grace period (SLURM's KillWait), then SIGKILL
 to every rank still alive; ``kill`` skips the grace. Killing the ranks ends the controller too:
 it sees every task exit and returns. Only psutil here: ``switchyard cancel`` stays light.
+
+A controller killed outright (``kill -9``, the OOM killer) is what srun's death is on SLURM: each
+rank asked the kernel to kill it then (``die_with_controller``), and a listed rank still running
+(one forked before it asked, and what it started) is found by ``leftover_ranks`` for ``switchyard
+cancel``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -111,6 +117,67 @@ def ranks(pid: int, folder: Path | None = None) -> dict[int, psutil.Process]:
                     continue  # the controller itself under a setup shell, or a rank not yet listed
                 found[int(child.environ()["SUBMITIT_LOCAL_LOCALID"])] = child
     return found
+
+
+def leftover_ranks(pid: int, folder: Path | None) -> list[psutil.Process]:
+    """The ranks of the local job ``pid`` still alive though its controller has gone, and what they
+    started: ranks forked before ``die_with_controller`` existed, or whose controller died before
+    they had asked for it. The pids its controller listed (``forked_ranks_file``), each only while
+    it is still the process forked then (created by the time the list was written), never a
+    process that took a freed pid since. [] while the controller lives (``terminate`` stops it)."""
+    if folder is None or controller(pid) is not None:
+        return []
+    listed = forked_ranks_file(folder, pid)
+    try:
+        written = listed.stat().st_mtime
+        pids = [int(p) for p in json.loads(listed.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+    found = []
+    for rank_pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(rank_pid)
+            if written - FORK_TO_LIST_S <= process.create_time() <= written + 1.0 and alive(process):
+                found += [process, *_descendants(process)]
+    return found
+
+
+# The most a controller takes from forking its first rank to writing their list (ForkingController).
+FORK_TO_LIST_S = 60.0
+
+
+def stop_leftovers(processes: Sequence[psutil.Process], grace_s: float) -> int:
+    """SIGTERM (a trainer checkpoints at its next step), then SIGKILL after ``grace_s`` to what is
+    left; -> how many were running."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGTERM)
+    _, living = psutil.wait_procs(processes, timeout=grace_s)
+    for process in living:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(living, timeout=10)
+    return len(processes)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_controller() -> None:
+    """In a local job's rank: the kernel sends it SIGKILL when its controller dies (``kill -9``, the
+    OOM killer), as a SLURM rank dies with its launcher, so no rank trains on as an orphan holding
+    the run's lock. The controller is the rank's parent, forked or started (the rank's fork comes
+    from the controller itself, never from the template or the submitter it was forked from); one
+    already gone ends the rank now. Not Linux: nothing to ask."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if controller(os.getppid()) is None:  # it died before the request: no signal will come
+        print(f"switchyard: this rank's controller has ended (its parent is now pid {os.getppid()}): "
+              f"the job is over, so the rank exits", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def alive(process: psutil.Process) -> bool:

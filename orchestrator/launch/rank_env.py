@@ -11,13 +11,15 @@ run directory, so no other job can collide with it), and every rank joins as a c
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from orchestrator.launch import rendezvous
-from orchestrator.launch.dist_env import DistEnv
+from orchestrator.launch.dist_env import EXPORTED_ENV, DistEnv
 
 RUN_DIR_ENV = "SWITCHYARD_RUN_DIR"
 JOB_ID_ENV = "SWITCHYARD_JOB_ID"
@@ -25,9 +27,9 @@ RESTART_ENV = "SWITCHYARD_RESTART_COUNT"
 MAX_REQUEUES_ENV = "SWITCHYARD_MAX_REQUEUES"
 
 
-def rank_variables(env: DistEnv, endpoint: rendezvous.Endpoint, run_dir: Path,
-                   max_requeues: int) -> dict[str, str]:
-    """The variables one rank's process gets, torchrun's names first, then Switchyard's."""
+def torchrun_variables(env: DistEnv, endpoint: rendezvous.Endpoint) -> dict[str, str]:
+    """The variables torchrun gives each of its workers, for the rank ``env`` whose job's store
+    ``endpoint`` serves."""
     return {
         "RANK": str(env.rank), "LOCAL_RANK": str(env.local_rank),
         "WORLD_SIZE": str(env.world_size), "LOCAL_WORLD_SIZE": str(env.local_world_size),
@@ -35,9 +37,45 @@ def rank_variables(env: DistEnv, endpoint: rendezvous.Endpoint, run_dir: Path,
         "MASTER_ADDR": endpoint.host, "MASTER_PORT": str(endpoint.port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of the store served here
         "TORCHELASTIC_RESTART_COUNT": str(env.restart_count),
+    }
+
+
+def rank_variables(env: DistEnv, endpoint: rendezvous.Endpoint, run_dir: Path,
+                   max_requeues: int) -> dict[str, str]:
+    """The variables one rank's process gets, torchrun's names first, then Switchyard's."""
+    return {
+        **torchrun_variables(env, endpoint),
         RUN_DIR_ENV: str(run_dir), JOB_ID_ENV: env.job_id, RESTART_ENV: str(env.restart_count),
         MAX_REQUEUES_ENV: str(max_requeues),
     }
+
+
+@contextlib.contextmanager
+def exported(env: DistEnv, rdzv_dir: Path) -> Iterator[None]:
+    """Inside, this process (a rank of ``jobs.train``, which joined its process group in place)
+    has torchrun's variables in ``os.environ``, as a torchrun worker would: a user's model, or a
+    library it calls (rank-0-only logging, device placement, HF and W&B helpers), reads them.
+    Called once the rank has joined: rank 0 has published the store's address by then. Restored
+    on the way out, since a debug run's rank is the submitting process itself.
+
+    ``dist_env.EXPORTED_ENV`` marks them as this process's own, so ``dist_env.detect`` goes on
+    reading the launcher's (SLURM's, submitit's) rather than taking them for a torchrun launch.
+    Under a real torchrun (``env.source``) they are torchrun's already and stay as they are."""
+    if env.source == "torchrun":
+        yield
+        return
+    endpoint = rendezvous.wait_for_endpoint(rendezvous.endpoint_file(rdzv_dir, env), timeout_s=10.0)
+    variables = {**torchrun_variables(env, endpoint), EXPORTED_ENV: "1"}
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def serve_or_find_store(env: DistEnv, rdzv_dir: Path, timeout_s: float

@@ -11,6 +11,7 @@ names the command to run instead.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import sys
 import time
@@ -24,7 +25,7 @@ from submitit.local.local import LocalJob
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import provenance, submit
+from orchestrator.launch import local_jobs, progress, provenance, submit
 from orchestrator.registry.db import (
     SINGLE_ENTRY,
     SINGLE_NUM,
@@ -133,18 +134,52 @@ def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Pa
     return recorded
 
 
-def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[R], run_dir: Path
-           ) -> list[R] | None:
+CONTROLLER_LOG = "controller.log"  # RUN/submitit/: a not-waited-for local job's controller output
+
+
+def submitting(cluster: ClusterConfig, run_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Around a single job's submission. A local job not waited for (``cluster.wait=false``) runs
+    on in the background once this process has returned, so its controller must not hold this
+    process's stdout and stderr: a caller reading them through a pipe (``$(...)``, ``| tee``, a
+    CI step) would wait for the job's end. Its output goes to ``RUN/submitit/controller.log``."""
+    if cluster.mode == "local" and not cluster.wait:
+        return local_jobs.detached_output(run_dir / "submitit" / CONTROLLER_LOG)
+    return contextlib.nullcontext()
+
+
+def follow(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[R], run_dir: Path,
+           total_steps: int | None = None) -> list[R] | None:
     """After a single job's submission: on SLURM say where it is, then (unless
-    ``cluster.wait=false``: None) watch it while it pends and return every rank's result."""
+    ``cluster.wait=false``: None, saying how to follow and stop it) watch it while it pends and
+    return every rank's result. While it waits, stderr shows the queue state, then rank 0's
+    progress (``progress``: of ``total_steps`` where the job has a known length)."""
     if cluster.mode == "slurm":
         print(f"slurm_job_id: {job.job_id}\nlogs: {job.paths.folder}", flush=True)
-        if not cluster.wait:
-            follow_with = f"switchyard status {recorded.ref}" if recorded else f"squeue -j {job.job_id}"
-            print(f"not waiting (cluster.wait=false): follow it with {follow_with}")
-            return None
-        submit.watch_pending(job, cluster.never_starts)
-    return results(recorded, job, run_dir, cluster.restarts)
+    if cluster.mode == "debug":  # it runs here, as results() asks for it: its own bar is on stderr
+        return results(recorded, job, run_dir, cluster.restarts)
+    if not cluster.wait:
+        print(not_waiting(cluster, recorded, job), flush=True)
+        return None
+    display = progress.Display()
+    try:
+        if cluster.mode == "slurm":
+            submit.watch_pending(job, cluster.never_starts, on_wait=display.pending)
+        with progress.following(run_dir, total_steps, display):
+            return results(recorded, job, run_dir, cluster.restarts)
+    finally:
+        display.clear()
+
+
+def not_waiting(cluster: ClusterConfig, recorded: Recorded | None, job: submitit.Job[Any]) -> str:
+    """How to follow and stop a job this process does not wait for."""
+    if recorded is not None:
+        ref = recorded.ref
+        return (f"not waiting (cluster.wait=false): follow it with switchyard status {ref} "
+                f"(rank 0's log: switchyard logs {ref}); stop it with switchyard cancel {ref}")
+    if cluster.mode == "slurm":
+        return f"not waiting (cluster.wait=false): follow it with squeue -j {job.job_id}"
+    return (f"not waiting (cluster.wait=false): it runs on in the background as process {job.job_id} "
+            f"(logs: {job.paths.folder}); stop it with kill {job.job_id}")
 
 
 def results(recorded: Recorded | None, job: submitit.Job[R], run_dir: Path, restarts: int = 0) -> list[R]:

@@ -253,13 +253,25 @@ def over_limits(params: Mapping[str, Any], limits: PartitionLimits,
 def never_starts(job_id: str, timeout_s: float = 30) -> str | None:
     """The squeue reason of a pending job that cannot start as asked; None if it may still start
     (or has started, or squeue cannot tell)."""
+    reason = pending_reason(job_id, timeout_s)
+    return reason if can_never_start(reason) else None
+
+
+def can_never_start(reason: str | None) -> bool:
+    """Whether a pending job's squeue reason is one it can never meet."""
+    return reason in UNSATISFIABLE or reason in NEVER_RELEASED
+
+
+def pending_reason(job_id: str, timeout_s: float = 30) -> str | None:
+    """squeue's reason for a pending job (``Priority``, ``Resources``, ``Dependency``, ...); None
+    when it is not pending, or squeue cannot tell."""
     try:
         out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout_s)
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():
         state, _, reason = line.partition("|")
-        if state == "PENDING" and (reason.strip() in UNSATISFIABLE or reason.strip() in NEVER_RELEASED):
+        if state == "PENDING":
             return reason.strip()
     return None
 

@@ -97,13 +97,14 @@ class Submission(Generic[R]):
             return Submitted(plan, cluster)
         if plan.before_submit is not None:
             plan.before_submit()
-        job = submit.submit(executor, plan.fn, *plan.args, **plan.kwargs)
+        with single.submitting(cluster, run_dir):  # a local job not waited for: its own output file
+            job = submit.submit(executor, plan.fn, *plan.args, **plan.kwargs)
         recorded = single.record_submitted(self.app, self.command, job, run_dir, list(self.overrides),
                                            plan.config_yaml, self.parallelism, announce=self.announce,
                                            total_steps=self.total_steps)
         done = Submitted(plan, cluster, job, recorded)
         if self.follow:
-            done.results = single.follow(cluster, recorded, job, run_dir)
+            done.results = single.follow(cluster, recorded, job, run_dir, self.total_steps)
         return done
 
 

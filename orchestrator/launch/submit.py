@@ -270,6 +270,8 @@ class RankEntry:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         env = dist_env.detect()
+        if env.source == "local":  # on SLURM, srun (or the node launcher) takes its ranks along
+            local_jobs.die_with_controller()
         print(RANK_BANNER.format(rank=env.rank, world=env.world_size, node=env.hostname,
                                  local=env.local_rank, job=env.job_id, pid=os.getpid()), flush=True)
         snap = snapshot.current()
@@ -413,18 +415,24 @@ def backoff(first_s: float = 0.25, factor: float = 1.5, most_s: float = 5.0) -> 
 
 
 def watch_pending(job: submitit.Job[Any], never_starts: str, poll_s: float = 5.0,
-                  patience_s: float = ACCOUNTING_PATIENCE_S) -> None:
+                  patience_s: float = ACCOUNTING_PATIENCE_S,
+                  on_wait: Callable[[str, str, str | None, float], None] | None = None) -> None:
     """Wait while a SLURM job is pending; one whose pending reason it can never meet (a limit
     below its request: ``slurm_request.UNSATISFIABLE``; a dependency never satisfied, or a hold:
     ``NEVER_RELEASED``) is cancelled, or left queued with
     ``cluster.never_starts=keep``, and reported instead of waited for forever. The state is read
-    through gaps in accounting (``StateWatch``)."""
+    through gaps in accounting (``StateWatch``). ``on_wait(job_id, state, reason, waited_s)`` is
+    told at each poll (``progress.Display.pending``)."""
     if not isinstance(job, submitit.SlurmJob):
         return
     watch, waits = StateWatch(job, patience_s), backoff(most_s=poll_s)
-    while watch.state() in ("PENDING", "UNKNOWN", "REQUEUED"):
-        reason = slurm_request.never_starts(str(job.job_id))
-        if reason is not None:
+    began = time.monotonic()
+    while (state := watch.state()) in ("PENDING", "UNKNOWN", "REQUEUED"):
+        said = slurm_request.pending_reason(str(job.job_id))
+        if on_wait is not None:
+            on_wait(str(job.job_id), state, said, time.monotonic() - began)
+        if slurm_request.can_never_start(said):
+            reason = str(said)
             if never_starts == "keep":
                 what = f"left it queued (cluster.never_starts=keep); scancel {job.job_id} removes it"
             else:

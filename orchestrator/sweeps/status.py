@@ -497,14 +497,20 @@ def cmd_cancel(registry: Registry, target: str, as_json: bool, out: IO[str] = sy
         raise CommandError(f"--grace {grace_s} is invalid: give the seconds between SIGTERM and "
                            "SIGKILL, 0 or more")
     ref = parse_ref(registry, target)
-    cancelled, ending = cancel(registry, ref.sweep_id, ref.num, grace_s, "switchyard cancel")
+    done = cancel(registry, ref.sweep_id, ref.num, grace_s, "switchyard cancel")
+    cancelled, ending = done.attempts, done.ending
     ids = [a.slurm_id for a in cancelled]
     if as_json:
         print(json.dumps({"target": str(ref), "cancelled": [f"{a.sweep_id}/{a.num}" for a in cancelled],
-                          "slurm_ids": ids, "still_ending": ending}), file=out)
+                          "slurm_ids": ids, "still_ending": ending, "leftovers_stopped": done.leftovers}),
+              file=out)
     else:
-        print(f"cancelled {len(cancelled)} job(s) of {ref}: {', '.join(map(str, ids))}" if cancelled
-              else f"nothing to cancel in {ref}: every job has already ended", file=out)
+        if cancelled or not done.leftovers:
+            print(f"cancelled {len(cancelled)} job(s) of {ref}: {', '.join(map(str, ids))}" if cancelled
+                  else f"nothing to cancel in {ref}: every job has already ended", file=out)
+        for job_id, count in done.leftovers.items():
+            print(f"stopped {count} process(es) of local job {job_id} still running after its controller "
+                  f"had died", file=out)
     if ending:
         print(f"job(s) {', '.join(ending)} still ending after {SLURM_END_WAIT_S:.0f} s: their ranks may "
               f"still be writing (a checkpoint, say); switchyard status {ref} shows when they end",

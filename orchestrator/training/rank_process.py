@@ -17,7 +17,7 @@ import torch
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError, TrainConfig
-from orchestrator.launch import dist_env, hang_dumps, rendezvous, restarts, run_lock, submit
+from orchestrator.launch import dist_env, hang_dumps, rank_env, rendezvous, restarts, run_lock, submit
 from orchestrator.launch.heartbeat import Heartbeat, interval_for
 from orchestrator.telemetry.files import clear_end_summary, register_rank
 from orchestrator.telemetry.preflight import preflight
@@ -98,7 +98,7 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
     interval_s = interval_for(cfg.cluster.collective_timeout_s)
     pulse = Heartbeat(run, env.rank, env.hostname, interval_s, watch=dumper.poll)
     try:
-        with pulse:
+        with pulse, rank_env.exported(env, run / "rendezvous"):  # torchrun's variables for the user's code
             with sampler or contextlib.nullcontext():
                 rank_trainer = Trainer(cfg, paths, run, rt, pulse, clock)
                 runtime.report_nccl_transport(rt)  # the model's broadcast has connected NCCL

@@ -16,7 +16,7 @@ def test_a_job_that_starts_at_once_is_seen_running_within_a_second(
     states = iter(["PENDING", "PENDING", "RUNNING"])
     slept: list[float] = []
     monkeypatch.setattr(submit.StateWatch, "state", lambda self: next(states))
-    monkeypatch.setattr(slurm_request, "never_starts", lambda job_id: None)
+    monkeypatch.setattr(slurm_request, "pending_reason", lambda job_id: "Priority")
     monkeypatch.setattr(submit.time, "sleep", slept.append)
     submit.watch_pending(submitit.SlurmJob(tmp_path, "4242"), "cancel")
     assert len(slept) == 2 and sum(slept) < 1.0, slept
