@@ -52,6 +52,7 @@ from orchestrator.launch import (
     attach,
     dist_env,
     fork_start,
+    ownership,
     provenance,
     rendezvous,
     run_lock,
@@ -150,10 +151,14 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
         return rank_process.train_rank(cfg, data_paths(cfg), str(run_dir))
     launch = dist_env.attached_launch()
     if launch is not None:
-        return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
+        return run_attached(cfg, run_dir, launch, overrides)
     print(f"run_dir: {run_dir}", flush=True)
     cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
-    run_lock.check_free(run_dir)
+    this = ownership.Submission.of("train", overrides)
+    if cfg.cluster.dry_run:  # a dry run takes nothing
+        ownership.refuse_if_live(run_dir, this, "hydra.run.dir")
+    else:  # the directory is this run's from here: a second submission naming it is refused
+        ownership.claim(run_dir, this)
     run_lock.check_free(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")
     paths, memory = check_before_submit(cfg, run_dir)
     config_yaml = OmegaConf.to_yaml(cfg)  # the snapshot's and the registry's record of it
@@ -185,15 +190,16 @@ def train_job(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: str) -> dict[
                                 lambda: rank_process.train_rank(cfg, paths, run_dir))
 
 
-def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, explicit: set[str]
+def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, overrides: Sequence[str]
                  ) -> dict[str, Any]:
     """One rank of the user's own srun or torchrun (``orchestrator.launch.attach``): rank 0 checks
     what the submitting side checks elsewhere, then every rank trains here."""
-    launcher = attach.describe(launch)
+    launcher, explicit = attach.describe(launch), attach.explicit_keys(overrides)
     if launch.is_main:
         print(f"run_dir: {run_dir}\nattached to {launcher}: {launch.world_size} ranks on "
               f"{launch.num_nodes} node(s); cluster.mode={cfg.cluster.mode!r} is not used", flush=True)
         with rank_process.before_rendezvous(launch, run_dir):
+            ownership.claim(run_dir, ownership.Submission.of("train", overrides))
             cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
                 cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
             paths, memory = check_before_submit(cfg, run_dir)

@@ -31,6 +31,7 @@ from orchestrator import atomic
 from orchestrator.launch import (
     dist_env,
     local_jobs,
+    ownership,
     provenance,
     rank_env,
     run_lock,
@@ -223,8 +224,8 @@ def compose(overrides: Sequence[str]) -> RunConfig:
 
 def default_run_dir(fn: Callable[..., Any]) -> Path:
     name = getattr(fn, "__name__", type(fn).__name__)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
-    return Path("outputs/submit") / f"{stamp}-{name}"
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")  # with the pid: one per submission
+    return Path("outputs/submit") / f"{stamp}-{os.getpid()}-{name}"
 
 
 def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str] = (),
@@ -236,7 +237,9 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     run = Path(run_dir or default_run_dir(fn)).absolute()
     cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run, announce=False))
     run_job.check_resources(cfg)
-    run_lock.check_free(run)
+    this = ownership.Submission.of(APP, [getattr(fn, "__qualname__", type(fn).__qualname__), *overrides])
+    ownership.check(run, this, "run_dir")  # new, empty, or a Switchyard run's own no live run holds
+    ownership.claim(run, this, "run_dir")
     spec = FunctionSpec(str(run), cfg.parallelism.gpus_per_node, cfg.cluster.max_requeues,
                         cfg.cluster.rendezvous_timeout_s, cfg.telemetry.enabled, cfg.telemetry.interval_s)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))

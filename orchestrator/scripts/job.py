@@ -35,9 +35,9 @@ from orchestrator.config import (
 from orchestrator.entry import hydra_app, hydra_task
 from orchestrator.launch import (
     dist_env,
+    ownership,
     provenance,
     rank_env,
-    run_lock,
     signal_delay,
     single,
     slurm_request,
@@ -156,7 +156,11 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     print(f"run_dir: {run_dir}", flush=True)
     cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
     check_before_submit(cfg)
-    run_lock.check_free(run_dir)
+    this = ownership.Submission.of(APP, overrides)
+    if cfg.cluster.dry_run:  # a dry run takes nothing
+        ownership.refuse_if_live(run_dir, this, "hydra.run.dir")
+    else:  # the directory is this run's from here: a second submission naming it is refused
+        ownership.claim(run_dir, this)
     spec = spec_of(cfg, run_dir)
     write_run_files(run_dir, cfg, spec, config_yaml)
     if cfg.cluster.mode == "debug":

@@ -33,7 +33,7 @@ from orchestrator.config import (
     SnapshotConfig,
     app_check,
 )
-from orchestrator.launch import container, provenance, signal_delay, snapshot
+from orchestrator.launch import container, ownership, provenance, signal_delay, snapshot
 from orchestrator.sweeps.arrays import LauncherSettings, Resources, SweepError, resources_for
 from orchestrator.sweeps.node import POINT_DIR, write_bytes
 
@@ -159,6 +159,7 @@ def resolve_point(config: DictConfig, num: int, sweep_dir: Path) -> Path:
             config.hydra.job.num = num
             config.hydra.job.id = f"pending_{num}"  # the SLURM id replaces it on the node
         subdir = str(OmegaConf.select(config, "hydra.sweep.subdir"))
+        ownership.check_path(subdir, "hydra.sweep.subdir")  # empty: the sweep's own directory
         run_dir = (sweep_dir / subdir).absolute()
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.sweep.dir = str(sweep_dir)
