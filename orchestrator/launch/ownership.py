@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -192,7 +193,7 @@ def _job_state(job: dict[str, Any]) -> str | None:
         with Registry(path) as registry:
             reconcile(registry, [sweep_id], [num], ask_slurm=slurm_query.query_states)
             attempt = registry.latest_attempts(sweep_id).get(num)
-    except (RegistryError, OSError, ValueError, LookupError):
+    except (RegistryError, sqlite3.Error, OSError, ValueError, LookupError):
         return None  # a registry that cannot say: the lock still guards a running run
     if attempt is None or attempt.state in TERMINAL_STATES:
         return None

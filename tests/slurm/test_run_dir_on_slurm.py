@@ -21,7 +21,8 @@ def switchyard_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[st
                           env={**os.environ, "SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")})
 
 
-def test_a_pending_jobs_directory_is_refused_to_a_second_submission(tmp_path: Path, queued: list[str]) -> None:
+def test_a_pending_jobs_directory_is_refused_to_a_second_submission(tmp_path: Path, queued: list[str]
+                                                                     ) -> None:
     """Before, the second of two cluster.wait=false submissions into one directory queued, then
     failed on the lock (or resumed the first's checkpoint) when it started."""
     run_dir = tmp_path / "run"
@@ -33,11 +34,12 @@ def test_a_pending_jobs_directory_is_refused_to_a_second_submission(tmp_path: Pa
     queued.append(job_id)
     second = switchyard_run(tmp_path, *held, "parallelism.procs_per_node=2", "--", "true")
     assert second.returncode == 2, second.stderr[-2000:]
-    assert re.fullmatch(rf"switchyard run: error: hydra.run.dir='{run_dir}' is in use by switchyard job 1/0 "
-                        rf"\(id {job_id}, [A-Z]+, submitted as `run [^`]*procs_per_node=1`\); this run, `run [^`]*"
-                        rf"procs_per_node=2` \(submitted .*\), would overwrite .*\n", second.stderr), second.stderr
+    refused = (rf"switchyard run: error: hydra.run.dir='{run_dir}' is in use by switchyard job 1/0 "
+               rf"\(id {job_id}, [A-Z]+, submitted as `run [^`]*procs_per_node=1`\); "
+               rf"this run, `run [^`]*procs_per_node=2` \(submitted .*\), would overwrite .*\n")
+    assert re.fullmatch(refused, second.stderr), second.stderr
     assert "slurm_job_id" not in second.stdout
     subprocess.run(["scancel", job_id], check=True)
-    again = switchyard_run(tmp_path, "cluster=local", f"hydra.run.dir={run_dir}", "parallelism.procs_per_node=1",
-                           "--", "true")  # the first has ended: its directory continues
+    again = switchyard_run(tmp_path, "cluster=local", f"hydra.run.dir={run_dir}",
+                           "parallelism.procs_per_node=1", "--", "true")  # it ended: its directory goes on
     assert again.returncode == 0, again.stderr[-2000:]

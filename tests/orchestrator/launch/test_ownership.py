@@ -155,7 +155,8 @@ def test_a_recorded_job_holds_its_directory_until_it_ends(tmp_path: Path) -> Non
         ownership.record_job(run_dir, registry_path, sweep_id, SINGLE_NUM, str(job.pid))
         with pytest.raises(ownership.RunDirInUseError,
                            match=rf"is in use by switchyard job {sweep_id}/{SINGLE_NUM} \(id {job.pid}, "
-                                 rf"[A-Z]+, submitted as `train optim.lr=0.1`\); this run, `train optim.lr=0.2`"):
+                                 rf"[A-Z]+, submitted as `train optim.lr=0.1`\); this run, "
+                                 rf"`train optim.lr=0.2`"):
             ownership.check(run_dir, THIS)
     finally:
         job.kill()
@@ -175,7 +176,8 @@ def test_points_sharing_one_directory_are_refused_naming_them(tmp_path: Path) ->
         ownership.check_points(points, THIS)
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"sweep point #2 \(optim.lr=0.3\): hydra.sweep.subdir=.* notes.txt"):
+    with pytest.raises(ConfigError,
+                       match=r"sweep point #2 \(optim.lr=0.3\): hydra.sweep.subdir=.* notes.txt"):
         ownership.check_points(points[1:], THIS)
 
 
