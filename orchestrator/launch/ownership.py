@@ -49,6 +49,9 @@ MARKER = f"{FILES}/run.json"  # who submitted the run, and its job once recorded
 _LEGACY_MARKERS = (f"{FILES}/config.yaml", run_lock.LOCK_NAME)  # runs from before the marker
 _CLAIM_LOCK = f"{FILES}/claim.lock"
 HYDRA_OWN = ".hydra"  # Hydra writes it (and the job's log) into hydra.run.dir before the app runs
+# What the other ranks of the user's own srun/torchrun (an attached launch) may write into a new run
+# directory before rank 0 claims it: their Hydra's files, and telemetry's rank records and samples.
+ATTACHED_RANKS_OWN = ("telemetry",)
 _SHOWN = 6  # entries named in a refusal
 
 
@@ -82,18 +85,19 @@ def check_path(text: str, key: str) -> None:
                           f"leave {key} unset for its default)")
 
 
-def check(run_dir: Path, this: Submission, key: str = "hydra.run.dir", hydra_log: str | None = None
-          ) -> None:
+def check(run_dir: Path, this: Submission, key: str = "hydra.run.dir", hydra_log: str | None = None,
+          ignored: Sequence[str] = ()) -> None:
     """Refuse now, before anything is written or submitted, a directory this run may not use:
     one holding files that are not a Switchyard run's, or a run's that a live run holds.
-    ``hydra_log``: the log file Hydra writes there itself (``train.log``)."""
+    ``hydra_log``: the log file Hydra writes there itself (``train.log``); ``ignored``: other
+    entries this run's own processes may have written already."""
     entries = _entries(run_dir, key)
     if entries is None:
         return  # new
     if is_run_dir(run_dir):
         refuse_if_live(run_dir, this, key)
         return
-    foreign = sorted(e for e in entries if e not in (HYDRA_OWN, hydra_log))
+    foreign = sorted(e for e in entries if e not in (HYDRA_OWN, hydra_log, *ignored))
     if foreign:
         shown = ", ".join(foreign[:_SHOWN]) + (f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN
                                                else "")
@@ -264,7 +268,8 @@ class RunDirCheck:
         try:
             run_dir = str(OmegaConf.select(config, "hydra.run.dir"))
             check_path(run_dir, "hydra.run.dir")
-            check(Path(run_dir).absolute(), submission_of(config), hydra_log=f"{name}.log")
+            check(Path(run_dir).absolute(), submission_of(config), hydra_log=f"{name}.log",
+                  ignored=ATTACHED_RANKS_OWN if launch is not None else ())
         except ConfigError as e:
             raise RefusedBeforeStart(str(e)) from e
 
