@@ -107,25 +107,34 @@ def check(run_dir: Path, this: Submission, key: str = "hydra.run.dir", hydra_log
                           f"or empty directory>)")
 
 
-def check_points(points: Sequence[tuple[str, Path]], this: Submission, key: str = "hydra.sweep.subdir"
-                 ) -> None:
-    """A sweep's points (name, run directory): each its own directory, and each one that
-    :func:`check` accepts. Points sharing one would overwrite each other's config at submission
-    (point #0 trained with point #1's) and then their checkpoints."""
-    by_dir: dict[Path, list[str]] = {}
-    for name, run_dir in points:
-        by_dir.setdefault(Path(run_dir).absolute(), []).append(name)
-    for run_dir, names in by_dir.items():
-        if len(names) > 1:
-            listed = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN
-                                                  else "")
-            raise ConfigError(f"{listed} resolve to one run directory {str(run_dir)!r}: each point "
-                              f"needs its own, or they overwrite each other's config and checkpoints; "
-                              f"nothing was submitted (try {key}=${{hydra.job.num}}, the default, or "
-                              f"a {key} that differs between the points)")
+@dataclass
+class SweepDirs:
+    """A sweep's points' run directories, each checked as its point is resolved, before anything
+    is written there: its own (points sharing one overwrote each other's config at submission,
+    so point #0 trained with point #1's, then each other's checkpoints), and one :func:`check`
+    accepts."""
+
+    this: Submission
+    seen: dict[Path, str] = field(default_factory=dict)  # run directory -> the point that has it
+
+    def check(self, name: str, run_dir: Path, key: str = "hydra.sweep.subdir") -> None:
+        """``name``'s ``run_dir``; the error leaves the point's name to the caller."""
+        run_dir = Path(run_dir).absolute()
+        if (other := self.seen.get(run_dir)) is not None:
+            raise ConfigError(f"its run directory {str(run_dir)!r} is {other}'s too: each point needs its "
+                              f"own, or they overwrite each other's config and checkpoints; nothing was "
+                              f"submitted (try {key}=${{hydra.job.num}}, the default, or a {key} that "
+                              f"differs between the points)")
+        self.seen[run_dir] = name
+        check(run_dir, self.this, key)
+
+
+def check_points(points: Sequence[tuple[str, Path]], this: Submission) -> None:
+    """A sweep's points (name, run directory), as :class:`SweepDirs` checks them one by one."""
+    dirs = SweepDirs(this)
     for name, run_dir in points:
         try:
-            check(run_dir, this, key)
+            dirs.check(name, run_dir)
         except ConfigError as e:
             raise type(e)(f"{name}: {e}") from e
 

@@ -235,10 +235,10 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     ``result()``)."""
     cfg = compose(overrides)
     run = Path(run_dir or default_run_dir(fn)).absolute()
-    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run, announce=False))
-    run_job.check_resources(cfg)
     this = ownership.Submission.of(APP, [getattr(fn, "__qualname__", type(fn).__qualname__), *overrides])
     ownership.check(run, this, "run_dir")  # new, empty, or a Switchyard run's own no live run holds
+    cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run, announce=False))
+    run_job.check_resources(cfg)
     ownership.claim(run, this, "run_dir")
     spec = FunctionSpec(str(run), cfg.parallelism.gpus_per_node, cfg.cluster.max_requeues,
                         cfg.cluster.rendezvous_timeout_s, cfg.telemetry.enabled, cfg.telemetry.interval_s)

@@ -113,13 +113,10 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
     sweep_dir = Path(str(master.hydra.sweep.dir)).absolute()
     if settings.executor == "slurm":
         check_sweep_dir(sweep_dir)
-    points = [prepare_point(settings, hydra_context, master, list(overrides), initial_job_idx + i,
-                            sweep_dir) for i, overrides in enumerate(job_overrides)]
     this = ownership.Submission.of(str(master.hydra.job.name), [sweep_command(master)])
-    try:  # each point its own run directory, none the user's files or a live run's
-        ownership.check_points([(p.name, p.run_dir) for p in points], this)
-    except ConfigError as e:
-        raise SweepError(str(e)) from None
+    dirs = ownership.SweepDirs(this)  # each point its own run directory, none the user's or a live run's
+    points = [prepare_point(settings, hydra_context, master, list(overrides), initial_job_idx + i,
+                            sweep_dir, dirs) for i, overrides in enumerate(job_overrides)]
     if settings.executor == "slurm":
         check_partitions(points)
         check_cluster_limits(len(points))

@@ -122,7 +122,10 @@ def _compose(hydra_context: HydraContext, master: DictConfig, overrides: list[st
 
 
 def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, master: DictConfig,
-                  overrides: list[str], num: int, sweep_dir: Path) -> Point:
+                  overrides: list[str], num: int, sweep_dir: Path,
+                  dirs: ownership.SweepDirs | None = None) -> Point:
+    """``dirs``: the run directories of the sweep's points so far; this point's is checked
+    against them, and for what it holds, before anything is written there."""
     where = f"sweep point #{num} ({' '.join(overrides) or 'no overrides'})"
     try:
         config = _compose(hydra_context, master, overrides)
@@ -130,6 +133,8 @@ def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, maste
         raise SweepError(f"{where}: {e}") from e
     try:
         run_dir = resolve_point(config, num, sweep_dir)
+        if dirs is not None:
+            dirs.check(where, run_dir)
         task_cfg = task_config(config)
         groups = check_app_config(task_cfg)
         if groups is not None:  # cluster.signal_delay_s=auto: from this point's own last run

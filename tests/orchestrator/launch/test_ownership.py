@@ -171,8 +171,8 @@ def test_points_sharing_one_directory_are_refused_naming_them(tmp_path: Path) ->
     points = [("sweep point #0 (optim.lr=0.1)", tmp_path / "same"), ("sweep point #1 (optim.lr=0.2)",
                                                                      tmp_path / "same"),
               ("sweep point #2 (optim.lr=0.3)", tmp_path / "2")]
-    with pytest.raises(ConfigError, match=r"sweep point #0 \(optim.lr=0.1\), sweep point #1 \(optim.lr=0.2\) "
-                                          r"resolve to one run directory"):
+    with pytest.raises(ConfigError, match=r"sweep point #1 \(optim.lr=0.2\): its run directory '.*/same' is "
+                                          r"sweep point #0 \(optim.lr=0.1\)'s too: each point needs its own"):
         ownership.check_points(points, THIS)
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / "notes.txt").write_text("mine")
@@ -224,8 +224,7 @@ def test_a_sweep_whose_points_share_a_directory_is_refused_before_anything_is_su
                      env={"SWITCHYARD_REGISTRY": str(tmp_path / "registry.db")})
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and re.match(r"error: sweep point #0 \([^)]*optim.lr=0.1[^)]*\), sweep point #1 "
-                                         r"\([^)]*optim.lr=0.2[^)]*\) resolve to one run directory '[^']*': "
-                                         r"[^;]*; nothing was submitted \(try hydra.sweep.subdir=",
-                                         errors[0]), proc.stderr[-3000:]
+    shared = (r"error: sweep point #1 \([^)]*optim.lr=0.2[^)]*\): its run directory '[^']*' is sweep point "
+              r"#0 \([^)]*optim.lr=0.1[^)]*\)'s too: [^;]*; nothing was submitted \(try hydra.sweep.subdir=")
+    assert len(errors) == 1 and re.match(shared, errors[0]), proc.stderr[-3000:]
     assert not list(sweep_dir.glob("*/.switchyard/config.pkl")), "a point was written"
