@@ -2,8 +2,9 @@
 
 A run directory belongs to one run. A submission may use a directory that is
 
-- new, or empty (but for what Hydra itself writes there before the app starts: ``.hydra/`` and
-  the job's ``NAME.log``, so a dry run or a refused run leaves nothing that blocks the next);
+- new, or empty (but for what is written there before a run claims it: Hydra's ``.hydra/`` and
+  the job's ``NAME.log``, ``signal_delay.json``; so a dry run or a refused run leaves nothing that
+  blocks the next);
 - or a Switchyard run's own (its marker, ``RUN/.switchyard/run.json``; runs from before the marker:
   ``RUN/.switchyard/config.yaml`` or ``RUN/.switchyard.lock``) that no live run holds: continuing a
   stopped or finished run with the same ``hydra.run.dir`` is how a run is resumed by hand.
@@ -42,13 +43,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import atomic
 from orchestrator.config import ConfigError
-from orchestrator.launch import run_lock
+from orchestrator.launch import run_lock, signal_delay
 
 FILES = ".switchyard"  # Switchyard's own files in a run directory (a sweep point's, a single job's)
 MARKER = f"{FILES}/run.json"  # who submitted the run, and its job once recorded
 _LEGACY_MARKERS = (f"{FILES}/config.yaml", run_lock.LOCK_NAME)  # runs from before the marker
 _CLAIM_LOCK = f"{FILES}/claim.lock"
-HYDRA_OWN = ".hydra"  # Hydra writes it (and the job's log) into hydra.run.dir before the app runs
+# Written into a run directory before the run claims it, so a run refused after them leaves them:
+# Hydra's own files (with the job's log) before the app runs, and the signal lead time chosen as a
+# SLURM point or job is prepared. They do not make a directory someone else's.
+BEFORE_CLAIM = (".hydra", signal_delay.CHOICE_FILE)
 # What the other ranks of the user's own srun/torchrun (an attached launch) may write into a new run
 # directory before rank 0 claims it: their Hydra's files, and telemetry's rank records and samples.
 ATTACHED_RANKS_OWN = ("telemetry",)
@@ -97,7 +101,7 @@ def check(run_dir: Path, this: Submission, key: str = "hydra.run.dir", hydra_log
     if is_run_dir(run_dir):
         refuse_if_live(run_dir, this, key)
         return
-    foreign = sorted(e for e in entries if e not in (HYDRA_OWN, hydra_log, *ignored))
+    foreign = sorted(e for e in entries if e not in (*BEFORE_CLAIM, hydra_log, *ignored))
     if foreign:
         shown = ", ".join(foreign[:_SHOWN]) + (f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN
                                                else "")

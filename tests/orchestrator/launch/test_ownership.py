@@ -73,6 +73,7 @@ def test_a_new_an_empty_or_a_hydra_only_directory_is_accepted(tmp_path: Path) ->
     ownership.check(tmp_path, THIS)
     (tmp_path / ".hydra").mkdir()  # a dry run, or a run refused by a later check, leaves these
     (tmp_path / "train.log").write_text("")
+    (tmp_path / "signal_delay.json").write_text("{}")  # a SLURM point prepared before another was refused
     ownership.check(tmp_path, THIS, hydra_log="train.log")
 
 
