@@ -154,11 +154,9 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
         return run_attached(cfg, run_dir, launch, overrides)
     print(f"run_dir: {run_dir}", flush=True)
     cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
-    this = ownership.Submission.of("train", overrides)
-    if cfg.cluster.dry_run:  # a dry run takes nothing
-        ownership.refuse_if_live(run_dir, this, "hydra.run.dir")
-    else:  # the directory is this run's from here: a second submission naming it is refused
-        ownership.claim(run_dir, this)
+    # The directory is this run's from here (a dry run's too: it writes provenance.json there, and
+    # the real run after it must find its own directory): a second submission naming it is refused.
+    ownership.claim(run_dir, ownership.Submission.of("train", overrides))
     run_lock.check_free(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")
     paths, memory = check_before_submit(cfg, run_dir)
     config_yaml = OmegaConf.to_yaml(cfg)  # the snapshot's and the registry's record of it

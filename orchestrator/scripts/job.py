@@ -156,11 +156,9 @@ def run(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], config_yaml: st
     print(f"run_dir: {run_dir}", flush=True)
     cfg = dataclasses.replace(cfg, cluster=signal_delay.at_submission(cfg.cluster, run_dir))
     check_before_submit(cfg)
-    this = ownership.Submission.of(APP, overrides)
-    if cfg.cluster.dry_run:  # a dry run takes nothing
-        ownership.refuse_if_live(run_dir, this, "hydra.run.dir")
-    else:  # the directory is this run's from here: a second submission naming it is refused
-        ownership.claim(run_dir, this)
+    # The directory is this run's from here (a dry run's too: it writes provenance.json there, and
+    # the real run after it must find its own directory): a second submission naming it is refused.
+    ownership.claim(run_dir, ownership.Submission.of(APP, overrides))
     spec = spec_of(cfg, run_dir)
     write_run_files(run_dir, cfg, spec, config_yaml)
     if cfg.cluster.mode == "debug":
