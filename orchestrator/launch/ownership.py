@@ -22,7 +22,7 @@ first's checkpoint or failed after its queue wait. Default directories are now u
 construction (the submission's time to the microsecond and its pid: ``conf/train.yaml``,
 ``conf/run.yaml``), so two submissions meet only where the user named one directory; there the
 claim (:func:`claim`, under a lock) refuses the second before it is submitted, naming both runs.
-A sweep's points must each have their own directory (:func:`check_points`).
+A sweep's points must each have their own directory (:class:`SweepDirs`).
 """
 
 from __future__ import annotations
@@ -131,16 +131,6 @@ class SweepDirs:
                               f"differs between the points)")
         self.seen[run_dir] = name
         check(run_dir, self.this, key)
-
-
-def check_points(points: Sequence[tuple[str, Path]], this: Submission) -> None:
-    """A sweep's points (name, run directory), as :class:`SweepDirs` checks them one by one."""
-    dirs = SweepDirs(this)
-    for name, run_dir in points:
-        try:
-            dirs.check(name, run_dir)
-        except ConfigError as e:
-            raise type(e)(f"{name}: {e}") from e
 
 
 def is_run_dir(run_dir: Path) -> bool:

@@ -169,17 +169,15 @@ def test_a_recorded_job_holds_its_directory_until_it_ends(tmp_path: Path) -> Non
 
 
 def test_points_sharing_one_directory_are_refused_naming_them(tmp_path: Path) -> None:
-    points = [("sweep point #0 (optim.lr=0.1)", tmp_path / "same"), ("sweep point #1 (optim.lr=0.2)",
-                                                                     tmp_path / "same"),
-              ("sweep point #2 (optim.lr=0.3)", tmp_path / "2")]
-    with pytest.raises(ConfigError, match=r"sweep point #1 \(optim.lr=0.2\): its run directory '.*/same' is "
-                                          r"sweep point #0 \(optim.lr=0.1\)'s too: each point needs its own"):
-        ownership.check_points(points, THIS)
+    dirs = ownership.SweepDirs(THIS)
+    dirs.check("sweep point #0 (optim.lr=0.1)", tmp_path / "same")
+    with pytest.raises(ConfigError, match=r"its run directory '.*/same' is sweep point #0 \(optim.lr=0.1\)'s "
+                                          r"too: each point needs its own"):
+        dirs.check("sweep point #1 (optim.lr=0.2)", tmp_path / "same")
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError,
-                       match=r"sweep point #2 \(optim.lr=0.3\): hydra.sweep.subdir=.* notes.txt"):
-        ownership.check_points(points[1:], THIS)
+    with pytest.raises(ConfigError, match=r"hydra.sweep.subdir=.* notes.txt"):
+        dirs.check("sweep point #2 (optim.lr=0.3)", tmp_path / "2")
 
 
 # ------------------------------------------------------------------------------------------------
