@@ -54,6 +54,7 @@ from orchestrator.launch import (
     container,
     dist_env,
     fork_start,
+    ownership,
     provenance,
     rendezvous,
     single,
@@ -150,7 +151,7 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
         return rank_process.train_rank(cfg, data_paths(cfg), str(run_dir))
     launch = dist_env.attached_launch()
     if launch is not None:
-        return run_attached(cfg, run_dir, launch, attach.explicit_keys(overrides))
+        return run_attached(cfg, run_dir, launch, overrides)
     submitted = Submission(
         app="train", command=" ".join(overrides), run_dir=run_dir, cluster=cfg.cluster,
         parallelism=cfg.parallelism, overrides=overrides,
@@ -182,15 +183,16 @@ def train_job(cfg: TrainConfig, paths: trainer.DataPaths, run_dir: str) -> dict[
                                 lambda: rank_process.train_rank(cfg, paths, run_dir))
 
 
-def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, explicit: set[str]
+def run_attached(cfg: TrainConfig, run_dir: Path, launch: dist_env.DistEnv, overrides: Sequence[str]
                  ) -> dict[str, Any]:
     """One rank of the user's own srun or torchrun (``orchestrator.launch.attach``): rank 0 checks
     what the submitting side checks elsewhere, then every rank trains here."""
-    launcher = attach.describe(launch)
+    launcher, explicit = attach.describe(launch), attach.explicit_keys(overrides)
     if launch.is_main:
         print(f"run_dir: {run_dir}\nattached to {launcher}: {launch.world_size} ranks on "
               f"{launch.num_nodes} node(s); cluster.mode={cfg.cluster.mode!r} is not used", flush=True)
         with rank_process.before_rendezvous(launch, run_dir):
+            ownership.claim(run_dir, ownership.Claimant.of("train", overrides))
             cfg = dataclasses.replace(cfg, parallelism=attach.fit_to_launch(
                 cfg.parallelism, launch, explicit, launcher, torch.cuda.device_count()))
             paths, memory = check_before_submit(cfg, run_dir)

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import math
+import os
 import re
 import struct
 import typing
@@ -863,6 +864,10 @@ class DataConfig:
             raise invalid("data.num_workers", self.num_workers, "must be >= 0", "data.num_workers=0")
         if self.num_classes is not None and self.num_classes < 2:
             raise invalid("data.num_classes", self.num_classes, "must be >= 2", "data.num_classes=2")
+        if not self.cache_dir.strip():  # Path("") is the working directory
+            raise invalid("data.cache_dir", self.cache_dir, "an empty path is the working directory, where "
+                          "the demo dataset would be written among your files",
+                          "data.cache_dir=~/.cache/switchyard/datasets, the default, or another directory")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             try:
@@ -1105,6 +1110,9 @@ def register_configs() -> None:
     types and never compose (a tenth of a second of their start)."""
     from hydra.core.config_store import ConfigStore
 
+    # ${pid:} in the default run and sweep directories: with the time to the microsecond, two
+    # submissions never share one (conf/train.yaml, conf/run.yaml; launch/ownership.py)
+    OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="prepare_schema", node=PrepareConfig)
     cs.store(group="parallelism", name="base_parallelism", node=ParallelismConfig)

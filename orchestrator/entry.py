@@ -43,6 +43,13 @@ class PathError(ValueError):
     """A path argument cannot be what the command needs; the message names it and why."""
 
 
+class RefusedBeforeStart(BaseException):
+    """Raised by a Hydra callback's ``on_run_start`` (``launch.ownership.RunDirCheck``) to refuse
+    the run before Hydra writes anything into its directory; ``hydra_app`` prints it as one
+    ``error:`` line. A BaseException because Hydra turns a callback's Exception into a warning and
+    goes on."""
+
+
 # ------------------------------------------------------------------------------------------------
 # Hydra apps
 
@@ -110,8 +117,12 @@ def hydra_app(main: Callable[[], Any], argv: Sequence[str], prefix: str = "") ->
     gets Hydra's full report, as asked."""
     if refused := refuse_argv(argv):
         _exit(prefix, refused)
-    with _mode_from_the_command_line():
-        _run_reporting(main, prefix)
+    try:
+        with _mode_from_the_command_line():
+            _run_reporting(main, prefix)
+    except RefusedBeforeStart as e:
+        task_started()
+        _exit(prefix, one_line(str(e)))
 
 
 def _run_reporting(main: Callable[[], Any], prefix: str) -> None:

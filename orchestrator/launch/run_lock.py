@@ -32,6 +32,8 @@ LOCK_NAME = ".switchyard.lock"
 class RunDirInUseError(ConfigError):
     """Another live run holds this run directory."""
 
+    holder = "another run"  # who, as its lock file says
+
 
 @contextlib.contextmanager
 def hold(run_dir: Path, owner: str, key: str = "hydra.run.dir") -> Iterator[None]:
@@ -61,6 +63,15 @@ def check_free(run_dir: Path, key: str = "hydra.run.dir") -> None:
         os.close(fd)
 
 
+def holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock now (as its holder wrote it), or None."""
+    try:
+        check_free(run_dir)
+    except RunDirInUseError as e:
+        return e.holder
+    return None
+
+
 _FIX = {
     "hydra.run.dir": "overwrite each other's checkpoints and metrics (try hydra.run.dir=<a new "
                      "directory>, or wait until that run ends to resume it)",
@@ -74,7 +85,9 @@ def _lock_or_explain(fd: int, run_dir: Path, key: str, shared: bool = False) -> 
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another run"
-        raise RunDirInUseError(
-            f"{key}={str(run_dir)!r} is in use by {holder}: two runs in one directory would "
-            f"{_FIX[key]}") from None
+        owner = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another run"
+        error = RunDirInUseError(
+            f"{key}={str(run_dir)!r} is in use by {owner}: two runs in one directory would "
+            f"{_FIX[key]}")
+        error.holder = owner
+        raise error from None

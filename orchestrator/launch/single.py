@@ -25,7 +25,7 @@ from submitit.local.local import LocalJob
 
 from orchestrator import atomic
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import local_jobs, progress, provenance, submit
+from orchestrator.launch import local_jobs, ownership, progress, provenance, submit
 from orchestrator.registry.db import (
     SINGLE_ENTRY,
     SINGLE_NUM,
@@ -81,6 +81,8 @@ def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, lo
         array_id, _, index = job_id.partition("_")
         registry.confirm([Submitted(attempt_id, job_id, array_id if index else None,
                                     int(index) if index else None, str(log_dir))])
+        # the registry says from now on whether the run is live, not the submitting process
+        ownership.record_job(Path(run_dir), registry.path, sweep_id, SINGLE_NUM, job_id)
         return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id)
 
 

@@ -5,9 +5,11 @@
 order for all of them:
 
 1. ``run_dir: PATH`` is said first (when the entry announces);
-2. the time-limit signal's lead time is chosen (``signal_delay``: ``auto`` reads the last run here);
-3. the run directory, and any other directory the job writes that two runs must not share
-   (``checkpoint.dir``), are checked free (``run_lock``): nothing else is done for a refused run;
+2. the run directory is checked (``ownership``: new, empty, or a Switchyard run's own that no live
+   run holds), before anything is written there;
+3. the time-limit signal's lead time is chosen (``signal_delay``: ``auto`` reads the last run here),
+   the run directory is claimed, and any other directory two runs must not share
+   (``checkpoint.dir``) is checked free (``run_lock``): nothing else is done for a refused run;
 4. the entry's own checks run (``Submission.check``), and return the :class:`Plan`: what each rank
    runs, which modules and scripts it imports, what a container must mount;
 5. the code snapshot and ``provenance.json`` (``provenance.at_submission``);
@@ -32,7 +34,7 @@ from typing import Any, Generic, TypeVar
 import submitit
 
 from orchestrator.config import ClusterConfig, ParallelismConfig
-from orchestrator.launch import container, provenance, run_lock, signal_delay, single, submit
+from orchestrator.launch import container, ownership, provenance, run_lock, signal_delay, single, submit
 
 R = TypeVar("R")
 
@@ -72,14 +74,20 @@ class Submission(Generic[R]):
     announce: bool = True  # print run_dir, the signal delay's choice and the job's id
     follow: bool = True  # wait for the end here (switchyard.submit returns the job instead)
     total_steps: int | None = None  # the steps it trains, for status's STEP column (jobs.train)
+    key: str = "hydra.run.dir"  # the setting that named ``run_dir``, for a refusal's fix
 
     def run(self) -> Submitted[R]:
         """Steps 1-10 of the module's docstring, in that order."""
         run_dir = self.run_dir
         if self.announce:
             print(f"run_dir: {run_dir}", flush=True)
+        claimant = ownership.Claimant.of(self.app, [self.command])
+        ownership.check(run_dir, claimant, self.key)  # before anything is written there
         cluster = signal_delay.at_submission(self.cluster, run_dir, announce=self.announce)
-        for directory, key in [(run_dir, "hydra.run.dir"), *self.held]:
+        # The directory is this run's from here (a dry run's too: it writes provenance.json there,
+        # and the real run after it must find its own directory): a second submission is refused.
+        ownership.claim(run_dir, claimant, self.key)
+        for directory, key in self.held:
             run_lock.check_free(directory, key)
         plan = self.check(cluster)
         if plan.in_process is not None:

@@ -222,8 +222,8 @@ def compose(overrides: Sequence[str]) -> RunConfig:
 
 def default_run_dir(fn: Callable[..., Any]) -> Path:
     name = getattr(fn, "__name__", type(fn).__name__)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
-    return Path("outputs/submit") / f"{stamp}-{name}"
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")  # with the pid: one per submission
+    return Path("outputs/submit") / f"{stamp}-{os.getpid()}-{name}"
 
 
 def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str] = (),
@@ -236,7 +236,7 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     name = getattr(fn, "__qualname__", type(fn).__qualname__)
     submitted = Submission(
         app=APP, command=f"{name} {' '.join(overrides)}".strip(), run_dir=run, cluster=cfg.cluster,
-        parallelism=cfg.parallelism, overrides=overrides, announce=False, follow=False,
+        parallelism=cfg.parallelism, overrides=overrides, announce=False, follow=False, key="run_dir",
         check=lambda cluster: plan(fn, dataclasses.replace(cfg, cluster=cluster), run, args, kwargs)).run()
     return FunctionJob(cast(submitit.Job[Any], submitted.job), run, submitted.recorded)
 

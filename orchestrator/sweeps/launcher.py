@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from orchestrator.config import ConfigError
 from orchestrator.entry import task_started
-from orchestrator.launch import dist_env, local_jobs, provenance, slurm_query
+from orchestrator.launch import dist_env, local_jobs, ownership, provenance, slurm_query
 from orchestrator.registry.db import Job, Registry, RegistryError, damage_reported
 from orchestrator.registry.reconciliation import reconcile
 from orchestrator.sweeps.arrays import (
@@ -116,11 +117,18 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
         sys.exit(0)  # not an error: the sweep goes out once, from task 0
     setup_globals()
     configure_log(master.hydra.hydra_logging, master.hydra.verbose)
+    # `from None` below: Hydra's one line would repeat a chained cause's message
+    try:
+        ownership.check_path(str(master.hydra.sweep.dir), "hydra.sweep.dir")
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     sweep_dir = Path(str(master.hydra.sweep.dir)).absolute()
     if settings.executor == "slurm":
         check_sweep_dir(sweep_dir)
+    this = ownership.Claimant.of(str(master.hydra.job.name), [sweep_command(master)])
+    dirs = ownership.SweepDirs(this)  # each point its own run directory, none the user's or a live run's
     points = [prepare_point(settings, hydra_context, master, list(overrides), initial_job_idx + i,
-                            sweep_dir) for i, overrides in enumerate(job_overrides)]
+                            sweep_dir, dirs) for i, overrides in enumerate(job_overrides)]
     if settings.executor == "slurm":
         check_partitions(points)
         check_cluster_limits(len(points))
@@ -146,6 +154,8 @@ def launch(settings: LauncherSettings, hydra_context: HydraContext, task_functio
             entry = cast(Path, state.entry)
             registry.record_provenance(state.sweep_id,
                                        {p.num: write_point(p, entry, origin, diff) for p in points})
+            for p in points:  # the registry says from now on whether the point's run is live
+                ownership.record_job(p.run_dir, registry.path, state.sweep_id, p.num, None, this)
             registry.add_jobs(Job(state.sweep_id, p.num, p.overrides, str(p.run_dir), asdict(p.resources),
                                   p.total_steps) for p in points)
             return _submit_and_wait(settings, registry, state.sweep_id, points, sweep_dir, wait)

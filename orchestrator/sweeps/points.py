@@ -33,7 +33,7 @@ from orchestrator.config import (
     SnapshotConfig,
     app_check,
 )
-from orchestrator.launch import container, provenance, signal_delay, snapshot
+from orchestrator.launch import container, ownership, provenance, signal_delay, snapshot
 from orchestrator.sweeps.arrays import LauncherSettings, Resources, SweepError, resources_for
 from orchestrator.sweeps.node import POINT_DIR, write_bytes
 
@@ -125,7 +125,10 @@ def _compose(hydra_context: HydraContext, master: DictConfig, overrides: list[st
 
 
 def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, master: DictConfig,
-                  overrides: list[str], num: int, sweep_dir: Path) -> Point:
+                  overrides: list[str], num: int, sweep_dir: Path,
+                  dirs: ownership.SweepDirs | None = None) -> Point:
+    """``dirs``: the run directories of the sweep's points so far; this point's is checked
+    against them, and for what it holds, before anything is written there."""
     where = f"sweep point #{num} ({' '.join(overrides) or 'no overrides'})"
     try:
         config = _compose(hydra_context, master, overrides)
@@ -133,6 +136,8 @@ def prepare_point(settings: LauncherSettings, hydra_context: HydraContext, maste
         raise SweepError(f"{where}: {e}") from e
     try:
         run_dir = resolve_point(config, num, sweep_dir)
+        if dirs is not None:
+            dirs.check(where, run_dir)
         task_cfg = task_config(config)
         groups = check_app_config(task_cfg)
         if groups is not None:  # cluster.signal_delay_s=auto: from this point's own last run
@@ -162,6 +167,7 @@ def resolve_point(config: DictConfig, num: int, sweep_dir: Path) -> Path:
             config.hydra.job.num = num
             config.hydra.job.id = f"pending_{num}"  # the SLURM id replaces it on the node
         subdir = str(OmegaConf.select(config, "hydra.sweep.subdir"))
+        ownership.check_path(subdir, "hydra.sweep.subdir")  # empty: the sweep's own directory
         run_dir = (sweep_dir / subdir).absolute()
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.sweep.dir = str(sweep_dir)

@@ -216,7 +216,7 @@ def memo_key(cfg: TrainConfig, ds: ShardedDataset) -> str:
     nor where the data lies: the dataset is its fingerprint (schema, shard counts, every file's
     checksum), so two copies of the same data, or the same demo data in two caches, are one step."""
     optim = (cfg.optim.name, cfg.optim.momentum, cfg.optim.grad_accum_steps)  # SGD momentum 0: no state
-    data = dataclasses.replace(cfg.data, path=None, eval_path=None, cache_dir="", num_workers=0)
+    data = dataclasses.replace(cfg.data, path=None, eval_path=None, cache_dir="-", num_workers=0)
     return repr((cfg.model, cfg.task, data, cfg.parallelism, cfg.memory.amp,
                  cfg.memory.activation_checkpointing, optim, ds.fingerprint))
 

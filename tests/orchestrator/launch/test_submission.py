@@ -25,7 +25,9 @@ class Steps:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.taken: list[str] = []
         self._monkeypatch = monkeypatch
+        self.through("check_dir", submission.ownership, "check")
         self.through("signal_delay", submission.signal_delay, "at_submission")
+        self.through("claim", submission.ownership, "claim")
         self.through("lock", submission.run_lock, "check_free")
         self.through("provenance", submission.provenance, "at_submission")
         self.through("executor", submission.submit, "make_executor")
@@ -65,7 +67,7 @@ def test_every_step_in_its_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
                                  capsys: pytest.CaptureFixture[str]) -> None:
     steps = Steps(monkeypatch)
     done = request(steps, tmp_path / "run").run()
-    assert steps.taken == ["signal_delay", "lock", "lock", "check", "provenance", "executor",
+    assert steps.taken == ["check_dir", "signal_delay", "claim", "lock", "check", "provenance", "executor",
                            "before_submit", "queue", "record", "follow"]
     assert (done.job, done.recorded, done.results) == ("JOB", "ROW", ["RESULT"])
     assert capsys.readouterr().out.startswith(f"run_dir: {tmp_path / 'run'}\n")  # first, always
@@ -75,7 +77,8 @@ def test_a_dry_run_stops_after_printing_the_script(monkeypatch: pytest.MonkeyPat
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     steps = Steps(monkeypatch)
     done = request(steps, tmp_path / "run", mode="slurm", dry_run=True).run()
-    assert steps.taken == ["signal_delay", "lock", "lock", "check", "provenance", "executor", "dry_run"]
+    assert steps.taken == ["check_dir", "signal_delay", "claim", "lock", "check", "provenance", "executor",
+                           "dry_run"]
     assert done.job is None and done.results is None
     out = capsys.readouterr().out
     assert out.index("the memory table") < out.index("#SBATCH")  # the script stays the tail
@@ -88,7 +91,7 @@ def test_a_run_directory_in_use_is_refused_before_any_check(monkeypatch: pytest.
     with run_lock.hold(run_dir, "job 41 (rank 0)"), pytest.raises(run_lock.RunDirInUseError,
                                                                   match="in use by job 41"):
         request(steps, run_dir).run()
-    assert steps.taken == ["signal_delay", "lock"]
+    assert steps.taken == ["check_dir"]  # nothing written there, not even the signal delay's choice
     assert not (run_dir / submission.SUBMITIT_DIR).exists()
 
 
@@ -100,4 +103,4 @@ def test_a_plan_that_runs_here_skips_the_executor(monkeypatch: pytest.MonkeyPatc
         check=lambda cluster: submission.Plan(square, (2,), "", in_process=lambda: [square(2)],
                                               before_submit=lambda: steps.taken.append("before_submit")))
     assert here.run().results == [4]
-    assert steps.taken == ["signal_delay", "lock", "before_submit"]
+    assert steps.taken == ["check_dir", "signal_delay", "claim", "before_submit"]
