@@ -6,7 +6,7 @@ order for all of them:
 
 1. ``run_dir: PATH`` is said first (when the entry announces);
 2. the run directory is checked (``ownership``: new, empty, or a Switchyard run's own that no live
-   run holds), before anything is written there;
+   run holds), before anything is written there (Hydra's apps: by its callback, before Hydra wrote);
 3. the time-limit signal's lead time is chosen (``signal_delay``: ``auto`` reads the last run here),
    the run directory is claimed, and any other directory two runs must not share
    (``checkpoint.dir``) is checked free (``run_lock``): nothing else is done for a refused run;
@@ -75,6 +75,8 @@ class Submission(Generic[R]):
     follow: bool = True  # wait for the end here (switchyard.submit returns the job instead)
     total_steps: int | None = None  # the steps it trains, for status's STEP column (jobs.train)
     key: str = "hydra.run.dir"  # the setting that named ``run_dir``, for a refusal's fix
+    # Hydra's apps had it checked before Hydra wrote there (``ownership.RunDirCheck``, a callback)
+    dir_checked: bool = True
 
     def run(self) -> Submitted[R]:
         """Steps 1-10 of the module's docstring, in that order."""
@@ -82,7 +84,8 @@ class Submission(Generic[R]):
         if self.announce:
             print(f"run_dir: {run_dir}", flush=True)
         claimant = ownership.Claimant.of(self.app, [self.command])
-        ownership.check(run_dir, claimant, self.key)  # before anything is written there
+        if not self.dir_checked:  # before anything is written there
+            ownership.check(run_dir, claimant, self.key)
         cluster = signal_delay.at_submission(self.cluster, run_dir, announce=self.announce)
         # The directory is this run's from here (a dry run's too: it writes provenance.json there,
         # and the real run after it must find its own directory): a second submission is refused.

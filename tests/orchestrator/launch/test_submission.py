@@ -24,6 +24,7 @@ class Steps:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.taken: list[str] = []
+        self._inside = False
         self._monkeypatch = monkeypatch
         self.through("check_dir", submission.ownership, "check")
         self.through("signal_delay", submission.signal_delay, "at_submission")
@@ -40,8 +41,14 @@ class Steps:
         real = getattr(owner, attribute)
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:  # a step's own use of another (claim asks the run lock): not a step
+                return real(*args, **kwargs)
             self.taken.append(name)
-            return real(*args, **kwargs)
+            self._inside = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._inside = False
         self._monkeypatch.setattr(owner, attribute, step)
 
     def answer(self, name: str, owner: Any, attribute: str, value: Callable[..., Any]) -> None:
@@ -60,7 +67,7 @@ def request(steps: Steps, run_dir: Path, **cluster: Any) -> submission.Submissio
     return submission.Submission(app="train", command="a=1", run_dir=run_dir,
                                  cluster=dataclasses.replace(ClusterConfig(), **cluster),
                                  parallelism=ParallelismConfig(), overrides=["a=1"], check=check,
-                                 held=[(run_dir / "ckpt", "checkpoint.dir")])
+                                 held=[(run_dir / "ckpt", "checkpoint.dir")], dir_checked=False)
 
 
 def test_every_step_in_its_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -99,7 +106,7 @@ def test_a_plan_that_runs_here_skips_the_executor(monkeypatch: pytest.MonkeyPatc
     steps = Steps(monkeypatch)
     here = submission.Submission(
         app="run", command="", run_dir=tmp_path, cluster=dataclasses.replace(ClusterConfig(), mode="debug"),
-        parallelism=ParallelismConfig(), overrides=[],
+        parallelism=ParallelismConfig(), overrides=[], dir_checked=False,
         check=lambda cluster: submission.Plan(square, (2,), "", in_process=lambda: [square(2)],
                                               before_submit=lambda: steps.taken.append("before_submit")))
     assert here.run().results == [4]
