@@ -8,6 +8,7 @@ may import; a new module of ``orchestrator`` must be placed in a unit here befor
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -255,3 +256,17 @@ def test_the_status_commands_import_neither_torch_nor_hydra() -> None:
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'hydra', 'numpy'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_module_is_named_in_the_architecture_page() -> None:
+    """docs/architecture.md names every module in one line ("Every module"), and only modules that
+    exist: a newcomer finds each concern there."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page[page.index("## Every module"):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    modules = [str(p.relative_to(ROOT)) for top in FIRST_PARTY for p in sorted((ROOT / top).rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py")]
+    missing = [m for m in modules if f"| `{m}` |" not in section]
+    assert missing == [], f"docs/architecture.md's 'Every module' has no line for {missing}: add one each"
+    named = [m for m in re.findall(r"^\| `([^`]+\.py)` \|", section, re.MULTILINE) if m not in modules]
+    assert named == [], f"docs/architecture.md's 'Every module' names modules that do not exist: {named}"
