@@ -418,8 +418,9 @@ class ClusterConfig:
             return
         limit_s = self.timeout_min * 60
         if self.signal_delay_s < 0 or self.signal_delay_s >= limit_s:
-            longer = (f", or cluster.timeout_min={-(-self.signal_delay_s // 60) + 1}"
-                      if self.signal_delay_s > 0 else "")
+            fits = -(-self.signal_delay_s // 60) + 1  # a time limit this lead time fits under
+            longer = (f", or cluster.timeout_min={fits}"
+                      if self.signal_delay_s > 0 and fits <= SLURM_MAX_TIME_MIN else "")
             raise invalid("cluster.signal_delay_s", self.signal_delay_s,
                           f"must be between 0 and the time limit ({limit_s} s)",
                           f"cluster.signal_delay_s={signal_delay_within(limit_s)}{longer}")

@@ -385,7 +385,10 @@ class ShardedLoader(DataLoader[Batch]):
     def __iter__(self) -> Any:
         # each epoch's start: the dataset at the path must still be the one opened (one stat);
         # persistent workers reuse their maps, and new ones would map whatever the path holds
-        cast(RankDataset, self.dataset).dataset.check_unchanged()
+        # (a task's own source, with shard_counts and __getitems__, may wrap no ShardedDataset)
+        opened = getattr(self.dataset, "dataset", None)
+        if isinstance(opened, ShardedDataset):
+            opened.check_unchanged()
         return super().__iter__()
 
     def _get_iterator(self) -> Any:

@@ -203,6 +203,19 @@ class Dumper:
             time.sleep(0.2)
 
 
+    def on_peer_lost(self, step: int, phase: str, error: BaseException, wait_s: float) -> None:
+        """Our peer's connection closed under us. gloo closes a pair when its collective times out,
+        so the rank that timed out may be asking for dumps this very moment: wait up to ``wait_s``
+        for its request, and if it comes, give ours as ``on_timeout`` would (a crash asks nothing,
+        and costs this wait)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if (self.dir / REQUEST).exists():
+                self.on_timeout(step, phase, error, wait_s)
+                return
+            time.sleep(0.2)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError):
         found = json.loads(path.read_text())
@@ -216,6 +229,11 @@ def clear(run_dir: Path) -> None:
     request and dumps would make this one's ranks dump at once, and mix into its report."""
     with contextlib.suppress(OSError):
         shutil.rmtree(hang_dir(run_dir))
+
+
+def asked(run_dir: Path) -> bool:
+    """Whether a rank of this attempt asked for dumps: one of its collectives timed out."""
+    return (hang_dir(run_dir) / REQUEST).exists()
 
 
 def read_dumps(run_dir: Path) -> list[RankDump]:

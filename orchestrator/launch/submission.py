@@ -77,13 +77,15 @@ class Submission(Generic[R]):
     key: str = "hydra.run.dir"  # the setting that named ``run_dir``, for a refusal's fix
     # Hydra's apps had it checked before Hydra wrote there (``ownership.RunDirCheck``, a callback)
     dir_checked: bool = True
+    claimed_as: Sequence[str] | None = None  # how another run's refusal names it (default: overrides)
 
     def run(self) -> Submitted[R]:
         """Steps 1-10 of the module's docstring, in that order."""
         run_dir = self.run_dir
         if self.announce:
             print(f"run_dir: {run_dir}", flush=True)
-        claimant = ownership.Claimant.of(self.app, [self.command])
+        named = self.overrides if self.claimed_as is None else self.claimed_as
+        claimant = ownership.Claimant.of(self.app, named)
         if not self.dir_checked:  # before anything is written there
             ownership.check(run_dir, claimant, self.key)
         cluster = signal_delay.at_submission(self.cluster, run_dir, announce=self.announce)

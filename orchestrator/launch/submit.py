@@ -717,7 +717,10 @@ def lost_a_peer(error: str) -> bool:
 
 def hang_verdict(outcomes: Sequence[RankOutcome], run_dir: Path | None) -> heartbeat.Verdict | None:
     """The heartbeats' verdict when the failure is a collective that timed out; None otherwise."""
-    if run_dir is None or not any(is_collective_timeout(o.error or o.no_output or "") for o in outcomes):
+    if run_dir is None:
+        return None
+    if not (hang_dumps.asked(run_dir)  # a rank's collective timed out, whatever the others then said
+            or any(is_collective_timeout(o.error or o.no_output or "") for o in outcomes)):
         return None
     world = len(outcomes)
     return heartbeat.verdict([b for b in heartbeat.read_beats(run_dir) if b.rank < world], world)

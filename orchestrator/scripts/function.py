@@ -237,6 +237,7 @@ def submit_function(fn: Callable[..., Any], *args: Any, overrides: Sequence[str]
     submitted = Submission(
         app=APP, command=f"{name} {' '.join(overrides)}".strip(), run_dir=run, cluster=cfg.cluster,
         parallelism=cfg.parallelism, overrides=overrides, announce=False, follow=False, key="run_dir",
+        claimed_as=[name, *overrides],
         dir_checked=False,
         check=lambda cluster: plan(fn, dataclasses.replace(cfg, cluster=cluster), run, args, kwargs)).run()
     return FunctionJob(cast(submitit.Job[Any], submitted.job), run, submitted.recorded)

@@ -111,10 +111,12 @@ def _train_rank(cfg: TrainConfig, paths: DataPaths, run: Path, env: dist_env.Dis
         return summary
     except Exception as e:
         said = f"{type(e).__name__}: {e}"
-        timed_out = hang_dumps.is_collective_timeout(said)
+        timed_out, lost = hang_dumps.is_collective_timeout(said), submit.lost_a_peer(said)
         if timed_out:  # where was everyone?
             dumper.on_timeout(pulse.step, pulse.phase, e, wait_s=3 * interval_s + 2)
-        restarts.record_failure(env.rank, pulse.step, e, consequence=timed_out or submit.lost_a_peer(said))
+        elif lost:  # gloo closes a pair when its collective times out: was it one?
+            dumper.on_peer_lost(pulse.step, pulse.phase, e, wait_s=3 * interval_s + 2)
+        restarts.record_failure(env.rank, pulse.step, e, consequence=timed_out or lost)
         if env.is_main and cfg.telemetry.enabled:
             memory_report.keep_end_summary(run)
         raise

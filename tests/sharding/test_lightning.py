@@ -57,6 +57,7 @@ def test_an_interrupted_epoch_resumes_exactly_at_the_same_world_size_and_at_anot
     assert first.returncode != 0 and "asked to be requeued (exit 75)" in first.stdout + first.stderr
     assert (data / "cut" / "checkpoints" / "last.ckpt").exists()
     shutil.copytree(data / "cut" / "checkpoints", data / "other" / "checkpoints")
+    shutil.copytree(data / "cut" / ".switchyard", data / "other" / ".switchyard")  # a run's own directory
     for record in (data / "cut").glob("*-rank*.jsonl"):  # what each rank trained and evaluated on
         shutil.copy(record, data / "other" / record.name)
 
