@@ -41,7 +41,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 typecheck: venv
-	$(VENV)/bin/mypy orchestrator sharding jobs switchyard
+	$(VENV)/bin/mypy orchestrator sharding durable jobs switchyard
 
 # The docs site (mkdocs.yml) into site/; --strict: a broken link or anchor, or a page missing from the
 # navigation, fails it.
@@ -59,7 +59,7 @@ PYTEST_ARGS ?= -n 4 --dist loadgroup --durations=25
 # on this project's CI machines) no process writes it, so each of the ~700 processes the suite starts
 # compiled every Switchyard module it imports from source (0.17 s of CPU each). A stale file is
 # never used: Python checks each against its source.
-BYTECODE_DIRS := orchestrator sharding jobs switchyard conf hydra_plugins tests bench
+BYTECODE_DIRS := orchestrator sharding durable jobs switchyard conf hydra_plugins tests bench
 
 pytest: venv
 	$(PY) -m compileall -q -j 0 $(BYTECODE_DIRS) > /dev/null

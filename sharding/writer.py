@@ -38,7 +38,7 @@ from typing import IO, Any
 import numpy as np
 import xxhash
 
-from orchestrator.atomic import fsync_dir
+from durable.atomic import fsync_dir
 from sharding.format import (
     MANIFEST_NAME,
     DatasetError,

@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_PARTY = ("orchestrator", "sharding", "jobs", "hydra_plugins", "switchyard")
+FIRST_PARTY = ("orchestrator", "sharding", "durable", "jobs", "hydra_plugins", "switchyard")
 
-BASE = {"orchestrator.config", "orchestrator.atomic", "orchestrator.terminal", "orchestrator.stop_signals",
+BASE = {"orchestrator.config", "durable", "orchestrator.terminal", "orchestrator.stop_signals",
         "orchestrator.entry", "orchestrator.quick_exit", "orchestrator.library_versions"}
 # unit -> the other first-party units it may import (a unit may always import itself)
 ALLOWED: dict[str, set[str]] = {
-    "sharding": {"orchestrator.atomic"},  # durable renames only: atomic imports the standard library alone
+    # the data layer stands alone: nothing of orchestrator, only the atomic writes below both
+    "sharding": {"durable"},
+    "durable": set(),  # the standard library alone
     "orchestrator.config": set(),
-    "orchestrator.atomic": set(),
     "orchestrator.terminal": set(),
     "orchestrator.entry": {"orchestrator.terminal", "orchestrator.library_versions"},
     "orchestrator.library_versions": set(),
@@ -46,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
                                 "orchestrator.export",
                                 "orchestrator.localcluster", "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
-    "jobs": {"orchestrator", "sharding"},
+    "jobs": {"orchestrator", "sharding", "durable"},
     "hydra_plugins": {"orchestrator"},
     "switchyard": {"orchestrator"},  # the function API: your own code submits through it
 }

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.atomic import write_json
+from durable.atomic import write_json
 from orchestrator.config import EXPORT_FORMATS
 from orchestrator.export import formats, publish, source, verify
 from orchestrator.export.record import EXPORT_FILE, remember

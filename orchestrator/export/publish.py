@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from orchestrator.atomic import fsync_dir
+from durable.atomic import fsync_dir
 from orchestrator.export.source import ExportError
 
 PARTIAL = ".partial-"

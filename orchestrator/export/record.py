@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orchestrator.atomic import atomic_write
+from durable.atomic import atomic_write
 
 EXPORT_FILE = "export.json"
 RECORD_FILE = "exports.jsonl"  # in the run directory: every export of the run, one line each

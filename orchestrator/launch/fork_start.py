@@ -54,7 +54,7 @@ from submitit.core import submission, utils
 from submitit.local.local import Controller, LocalJob
 from submitit.slurm import slurm
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.launch import job_entry, local_jobs, restarts
 from orchestrator.launch.fork_safety import (
     PRELOAD_ENV,

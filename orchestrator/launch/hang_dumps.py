@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import atomic
+from durable import atomic
 
 HANG_DIR = "hang"  # RUN/hang/
 REQUEST = "request.json"

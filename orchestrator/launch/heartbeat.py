@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orchestrator import atomic
+from durable import atomic
 
 # Where a rank's main thread is, in the order a step goes through them.
 PHASES = ("start", "data", "compute", "eval", "checkpoint", "done")

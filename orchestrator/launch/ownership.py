@@ -41,7 +41,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ConfigError
 from orchestrator.launch import run_lock, signal_delay
 

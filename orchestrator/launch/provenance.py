@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ClusterConfig, SnapshotConfig
 from orchestrator.launch import container, snapshot
 

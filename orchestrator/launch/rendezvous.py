@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.launch import gloo_interface
 from orchestrator.launch.dist_env import DistEnv
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import DEFAULT_SIGNAL_DELAY_S, ClusterConfig, ConfigError, signal_delay_within
 
 # Seconds added to twice the slowest save: the stop waits for the next step boundary, and a

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import submitit
 from submitit.local.local import LocalJob
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ClusterConfig, ParallelismConfig
 from orchestrator.launch import local_jobs, ownership, progress, provenance, submit
 from orchestrator.registry.db import (

@@ -38,7 +38,7 @@ from typing import Any
 from orchestrator.config import ConfigError, SnapshotConfig
 
 # Switchyard's own top-level packages, found beside ``orchestrator`` (a checkout or an install).
-OWN_PACKAGES = ("orchestrator", "sharding", "jobs", "conf", "switchyard", "hydra_plugins")
+OWN_PACKAGES = ("orchestrator", "sharding", "durable", "jobs", "conf", "switchyard", "hydra_plugins")
 MANIFEST = ".switchyard-snapshot.json"  # inside each snapshot: what it holds, for diffs at resume
 SNAPSHOT_ENV = "SWITCHYARD_SNAPSHOT"  # set on the nodes: the snapshot the ranks import from
 DEFAULT_STORE = Path("~/.cache/switchyard/snapshots")

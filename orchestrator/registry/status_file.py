@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import atomic
+from durable import atomic
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any, cast
 import submitit
 from omegaconf import OmegaConf
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ConfigError
 from orchestrator.launch import (
     dist_env,

@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import (
     AppGroups,
     ConfigError,

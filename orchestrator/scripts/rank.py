@@ -41,7 +41,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.launch import dist_env, local_jobs, rank_env, run_lock, submit
 from orchestrator.registry.status_file import TaskStatus
 from orchestrator.telemetry.files import clear_end_summary, register_rank, write_end_summary

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import open_dict, read_write
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.launch import dist_env
 from orchestrator.registry.status_file import TaskStatus
 
@@ -37,7 +37,7 @@ class PointFailed(RuntimeError):
 
 
 def write_bytes(path: Path, data: bytes, durable: bool = False) -> None:
-    """Whole or absent (orchestrator.atomic). Submit-time files skip the directory fsync: if the
+    """Whole or absent (durable.atomic). Submit-time files skip the directory fsync: if the
     submit host crashes, resubmitting writes them again."""
     with atomic.atomic_write(path, binary=True, durable=durable) as f:
         f.write(data)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.telemetry.common import Record
 
 

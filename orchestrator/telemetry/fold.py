@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.telemetry.common import MIB, Record
 from orchestrator.telemetry.files import telemetry_dir
 from orchestrator.telemetry.stats import Digest

@@ -29,7 +29,7 @@ from typing import IO, Any
 import torch
 import xxhash
 
-from orchestrator.atomic import atomic_write, write_text
+from durable.atomic import atomic_write, write_text
 
 CHECKSUM_SUFFIX = ".xxh3"
 _READ_CHUNK = 8 << 20

@@ -66,7 +66,7 @@ import torch
 import xxhash
 from torch import nn
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ModelCompileConfig, TrainConfig, check_compile, group_dict
 from orchestrator.training import blocks
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 # estimate runs, not here: they pull in torch._dynamo, torch._inductor and DTensor (about a second
 # of CPU), which a `jobs.train` with memory.estimate=off, and every rank, would pay for nothing.
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ClusterConfig, ConfigError, TrainConfig
 from orchestrator.telemetry import nvml
 from orchestrator.training import estimate_memo, runtime, step, strategy

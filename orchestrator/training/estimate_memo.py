@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.launch import snapshot
 
 FORMAT = 1  # bump when what a file holds, or how the estimate is computed, changes meaning

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import atomic
+from durable import atomic
 
 KERNEL_CLASSES = ("matmul", "attention", "elementwise/norm", "optimizer", "communication", "memcpy", "other")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ConfigError, TrainConfig
 from orchestrator.launch import dist_env, hang_dumps, rank_env, rendezvous, restarts, run_lock, submit
 from orchestrator.launch.heartbeat import Heartbeat, interval_for

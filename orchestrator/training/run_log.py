@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.config import ConfigError, LoggerConfig
 
 JSONL_NAME = "metrics.jsonl"

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from orchestrator.atomic import fsync_dir, write_json
+from durable.atomic import fsync_dir, write_json
 from orchestrator.training import checkpoint
 from orchestrator.training.checkpoint import CheckpointError, file_checksum
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orchestrator import atomic
+from durable import atomic
 from orchestrator.launch.bad_nodes import SLOW_LINE_PREFIX, STRAGGLERS_FILE
 from orchestrator.training import runtime
 from orchestrator.training.runtime import Runtime

@@ -78,7 +78,7 @@ while not (folder / "seen").exists():
 # Preloaded by the controller: its list of ranks is written a second late, as on a loaded machine.
 LIST_LATE = """
 import time
-from orchestrator import atomic
+from durable import atomic
 write_json = atomic.write_json
 def late(path, *args, **kwargs):
     if str(path).endswith("_forked_ranks.json"):

@@ -3,7 +3,7 @@
 A process killed mid-write (preemption, the OOM killer, a full disk) leaves the previous version
 or the new one, never a prefix of the new one. Everything in ``orchestrator/`` that other
 processes read (checkpoints, summaries, rendezvous and telemetry files, sweep state) goes through
-here.
+here, and ``sharding``'s writer publishes its datasets with ``fsync_dir``.
 """
 
 from __future__ import annotations
