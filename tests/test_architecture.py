@@ -36,11 +36,13 @@ ALLOWED: dict[str, set[str]] = {
     "orchestrator.training": BASE | {"orchestrator.launch", "orchestrator.telemetry", "sharding"},
     "orchestrator.sweeps": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                    "orchestrator.training"},
+    # a hyperparameter search: its trials are jobs (launch), its views extend the sweeps' (sweeps)
+    "orchestrator.search": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.sweeps"},
     # your own command or function as a job: no trainer
     "orchestrator.scripts": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry"},
     "orchestrator.cli": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                 "orchestrator.training", "orchestrator.sweeps", "orchestrator.scripts",
-                                "orchestrator.localcluster", "sharding"},
+                                "orchestrator.localcluster", "orchestrator.search", "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
     "jobs": {"orchestrator", "sharding"},
     "hydra_plugins": {"orchestrator"},

@@ -26,12 +26,13 @@ def has_ended(attempt: Attempt) -> bool:
     return attempt.state in TERMINAL_STATES or ended_itself
 
 
-def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str
-           ) -> tuple[list[Attempt], list[str]]:
+def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str,
+           state: str = "CANCELLED") -> tuple[list[Attempt], list[str]]:
     """Stop the live attempts of a sweep (or of its job ``num``): the one check and the one way
     that ``switchyard cancel`` and the function API's ``Job.cancel()`` share. An attempt that has
     ended (``has_ended``) is left as it is, so a finished job stays COMPLETED. Returns the
-    attempts cancelled (now CANCELLED in the registry) and the SLURM ids still ending."""
+    attempts cancelled (now ``state`` in the registry: CANCELLED, or a search's PRUNED) and the
+    SLURM ids still ending."""
     for warning in reconcile(registry, [sweep_id], ask_slurm=slurm_query.query_states).warnings:
         print(f"warning: {warning}", file=sys.stderr)
     executor = registry.sweep(sweep_id).executor
@@ -40,8 +41,9 @@ def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, b
     cancelled = _cancel_slurm(live) if executor == "slurm" else _cancel_local(live, grace_s)
     ending = _wait_slurm_ended([str(a.slurm_id) for a in cancelled]) if executor == "slurm" else []
     now = time.time()
-    registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
-                                 error=f"cancelled with {by}{_where(a)}") for a in cancelled)
+    registry.observe(Observation(a.id, state, requeues=a.requeues, ended_at=now,
+                                 error=f"{state.lower()} by {by}{_where(a)}" if state != "CANCELLED"
+                                 else f"cancelled with {by}{_where(a)}") for a in cancelled)
     return cancelled, ending
 
 

@@ -50,28 +50,44 @@ class Recorded:
     attempt_id: int
     run_dir: Path
     job_id: str
+    num: int = SINGLE_NUM
 
     @property
     def ref(self) -> str:
-        return f"{self.sweep_id}/{SINGLE_NUM}"
+        return f"{self.sweep_id}/{self.num}"
+
+
+@dataclass(frozen=True)
+class Into:
+    """Record a job as job ``num`` of an existing sweep (a search's trial), not as a sweep of one."""
+
+    registry: Path
+    sweep_id: int
+    num: int
+    total_steps: int | None = None  # the job's progress bar in `switchyard status`
 
 
 def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, log_dir: Path,
-           overrides: list[str], config_yaml: str, registry_path: str | Path | None = None) -> Recorded:
-    """Record one submitted job (``executor``: slurm | local) as a sweep of one, already confirmed;
-    its resolved config goes where ``switchyard show`` reads a sweep job's."""
+           overrides: list[str], config_yaml: str, registry_path: str | Path | None = None,
+           into: Into | None = None) -> Recorded:
+    """Record one submitted job (``executor``: slurm | local) as a sweep of one (or as ``into``'s
+    job), already confirmed; its resolved config goes where ``switchyard show`` reads a sweep job's."""
     atomic.write_text(Path(run_dir) / POINT_DIR / "config.yaml", config_yaml)
-    with Registry(registry_path) as registry:
-        sweep_id = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
-                                         executor=executor, entry_path=SINGLE_ENTRY)
-        registry.add_jobs([Job(sweep_id, SINGLE_NUM, overrides, str(run_dir), {}, None)])
+    with Registry(into.registry if into else registry_path) as registry:
+        if into is None:
+            sweep_id, num, steps = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
+                                                         executor=executor, entry_path=SINGLE_ENTRY), \
+                SINGLE_NUM, None
+        else:
+            sweep_id, num, steps = into.sweep_id, into.num, into.total_steps
+        registry.add_jobs([Job(sweep_id, num, overrides, str(run_dir), {}, steps)])
         if (origin := provenance.read(run_dir)) is not None:  # written at submission (at_submission)
-            registry.record_provenance(sweep_id, {SINGLE_NUM: origin})
-        attempt_id = registry.claim(sweep_id, [SINGLE_NUM])[SINGLE_NUM]
+            registry.record_provenance(sweep_id, {num: origin})
+        attempt_id = registry.claim(sweep_id, [num])[num]
         array_id, _, index = job_id.partition("_")
         registry.confirm([Submitted(attempt_id, job_id, array_id if index else None,
                                     int(index) if index else None, str(log_dir))])
-        return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id)
+        return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id, num)
 
 
 def run_reporting(run_dir: str | Path, job_id: str, restarts: int, node: str, is_main: bool,
@@ -105,7 +121,7 @@ def _end(status: TaskStatus, run_dir: str | Path, code: int, error: str | None) 
 
 
 def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],
-                     config_yaml: str, announce: bool = True) -> Recorded | None:
+                     config_yaml: str, announce: bool = True, into: Into | None = None) -> Recorded | None:
     """``record`` for a job just queued (``announce``: print its id); a registry that cannot take
     it is a warning, not an error: the job runs anyway, and says so. A debug job (this process,
     no scheduler) is not recorded: None."""
@@ -114,7 +130,7 @@ def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Pa
     executor = "local" if isinstance(job, LocalJob) else "slurm"
     try:
         recorded = record(app, command, run_dir, executor, str(job.job_id), Path(job.paths.folder),
-                          overrides, config_yaml)
+                          overrides, config_yaml, into=into)
     except (RegistryError, sqlite3.Error, OSError) as e:
         print(f"warning: job {job.job_id} runs, but the registry did not record it: {e}", file=sys.stderr)
         return None

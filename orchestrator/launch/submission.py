@@ -71,6 +71,7 @@ class Submission(Generic[R]):
     held: Sequence[tuple[Path, str]] = ()  # (directory, config key) besides the run directory
     announce: bool = True  # print run_dir, the signal delay's choice and the job's id
     follow: bool = True  # wait for the end here (switchyard.submit returns the job instead)
+    into: single.Into | None = None  # recorded as this job of an existing sweep (a search's trial)
 
     def run(self) -> Submitted[R]:
         """Steps 1-10 of the module's docstring, in that order."""
@@ -98,7 +99,7 @@ class Submission(Generic[R]):
             plan.before_submit()
         job = submit.submit(executor, plan.fn, *plan.args, **plan.kwargs)
         recorded = single.record_submitted(self.app, self.command, job, run_dir, list(self.overrides),
-                                           plan.config_yaml, announce=self.announce)
+                                           plan.config_yaml, announce=self.announce, into=self.into)
         done = Submitted(plan, cluster, job, recorded)
         if self.follow:
             done.results = single.follow(cluster, recorded, job, run_dir)
