@@ -10,6 +10,7 @@ optimum is lr = 0.25, and any lr within 2x of it (0.125 to 0.5) ends far lower t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -22,11 +23,17 @@ OPTIMUM_LR = 0.25  # 1 / Quadratic's default curvature
 
 
 class Scalar(nn.Module):
-    def __init__(self, w0: float = 1.0, **_: Any) -> None:
+    """``delay_s``: each forward sleeps this long, so a trial lasts long enough for the controller
+    to see its eval windows while it runs (the maths takes microseconds)."""
+
+    def __init__(self, w0: float = 1.0, delay_s: float = 0.0, **_: Any) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.tensor(float(w0)))
+        self.delay_s = delay_s
 
     def forward(self, *_: Any) -> Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return self.w
 
 
