@@ -100,7 +100,7 @@ def test_asha_prunes_bad_learning_rates_before_their_last_step_keeping_checkpoin
     saved_s = 0.0
     for trial in pruned:
         assert trial.step is not None and trial.step < 40, out
-        assert trial.params["optim.lr"] < best.params["optim.lr"], out  # the slow learners
+        assert (trial.value or 0.0) > (best.value or 0.0), out  # stopped while behind the best
         attempt = registry.latest_attempts(sweep_id)[trial.num]
         assert attempt.state == "PRUNED" and f"at step {trial.step}" in (attempt.error or ""), attempt
         assert list((sweep_dir / str(trial.num) / "checkpoints").glob("step-*.pt")), trial.num

@@ -81,3 +81,13 @@ def test_metrics_windows_skip_the_line_being_written_and_read_null_as_nan(tmp_pa
     found = metrics.windows(tmp_path, "eval_loss")
     assert [w.step for w in found] == [5, 10] and found[0].value == 0.5 and math.isnan(found[1].value)
     assert metrics.windows(tmp_path / "missing", "eval_loss") == []
+
+
+def test_resubmit_refuses_a_search_naming_its_resume(tmp_path: Path) -> None:
+    from orchestrator.sweeps import status
+
+    with Registry(tmp_path / "r.db") as registry:
+        sweep = registry.create_sweep("train", "", str(tmp_path), "local", "")
+        registry.record_search(sweep, str(tmp_path / "study.journal"), {"settings": {}, "base": [], "app": "x"})
+        with pytest.raises(status.CommandError, match=f"switchyard search resume {sweep}"):
+            status.cmd_resubmit(registry, str(sweep), failed=True, as_json=False)
