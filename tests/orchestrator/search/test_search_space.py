@@ -88,6 +88,6 @@ def test_resubmit_refuses_a_search_naming_its_resume(tmp_path: Path) -> None:
 
     with Registry(tmp_path / "r.db") as registry:
         sweep = registry.create_sweep("train", "", str(tmp_path), "local", "")
-        registry.record_search(sweep, str(tmp_path / "study.journal"), {"settings": {}, "base": [], "app": "x"})
+        registry.record_search(sweep, str(tmp_path / "j"), {"settings": {}, "base": [], "app": "x"})
         with pytest.raises(status.CommandError, match=f"switchyard search resume {sweep}"):
             status.cmd_resubmit(registry, str(sweep), failed=True, as_json=False)
