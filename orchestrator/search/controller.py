@@ -209,10 +209,15 @@ class Controller:
                 self.follow(trial, attempt, frozen[trial.num])
         live = sum(t.state == RUNNING for t in self.registry.trials(self.sweep_id))
         asked = len(self.study.get_trials(deepcopy=False))
-        while live < self.settings.n_jobs and asked < self.settings.n_trials:
+        for _ in range(min(self.room(live), self.settings.n_trials - asked)):
             self.ask()
-            live, asked = live + 1, asked + 1
+            live += 1
         return live > 0
+
+    def room(self, live: int) -> int:
+        """How many trials to ask now: a free slot is filled at once (``bench/search_bench.py``'s
+        batch-shaped variant waits for the whole batch instead, as Hydra's sweepers do)."""
+        return self.settings.n_jobs - live
 
     # -- a new trial ------------------------------------------------------------------------------
 
@@ -251,12 +256,14 @@ class Controller:
                 return
             live.report(window.value, window.step)
         last = found[-1] if found else None
-        ended = attempt.state in FINAL_STATES
+        # asked every time, an ended trial too: successive halving and Hyperband record a trial's
+        # value at each rung it passed when asked, and later trials are judged against those
+        behind = last is not None and self.settings.pruner != "none" and live.should_prune()
         if attempt.state == PRUNED:  # cancelled as pruned; the controller stopped before telling
             self.prune(trial, attempt, last, cancelled=True)
-        elif ended:
+        elif attempt.state in FINAL_STATES:
             self.finish(trial, attempt, last)
-        elif last is not None and self.settings.pruner != "none" and live.should_prune():
+        elif behind:
             self.prune(trial, attempt, last, cancelled=False)
 
     def finish(self, trial: Trial, attempt: Attempt, last: metrics.Window | None) -> None:
