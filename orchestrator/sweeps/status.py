@@ -219,7 +219,8 @@ def sweeps_table(summaries: Sequence[dict[str, Any]], colour: bool) -> str:
     cells, painters = [], []
     for s in summaries:
         states: dict[str, int] = s["states"]
-        done, cancelled = states.get("COMPLETED", 0), states.get("CANCELLED", 0)
+        # a search's PRUNED trial was stopped by its pruner: counted with the cancelled, not active
+        done, cancelled = states.get("COMPLETED", 0), states.get("CANCELLED", 0) + states.get("PRUNED", 0)
         # a cancelled job was stopped by someone, not broken: counting it as failed sends the
         # user looking for an error that is not there
         failed = sum(n for k, n in states.items() if k in RETRY_STATES and k != "CANCELLED")

@@ -91,3 +91,12 @@ def test_resubmit_refuses_a_search_naming_its_resume(tmp_path: Path) -> None:
         registry.record_search(sweep, str(tmp_path / "j"), {"settings": {}, "base": [], "app": "x"})
         with pytest.raises(status.CommandError, match=f"switchyard search resume {sweep}"):
             status.cmd_resubmit(registry, str(sweep), failed=True, as_json=False)
+
+
+def test_the_sweeps_list_counts_pruned_trials_as_stopped_not_active() -> None:
+    from orchestrator.sweeps import status
+
+    summary = {"id": 1, "created_at": 0.0, "app": "train", "executor": "local", "jobs": 3, "command": "",
+               "states": {"COMPLETED": 1, "PRUNED": 2}}
+    row = status.sweeps_table([summary], colour=False).splitlines()[1].split()
+    assert row[5:9] == ["1", "0", "0", "2"]  # DONE ACTIVE FAILED CANCELLED
