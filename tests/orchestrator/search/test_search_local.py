@@ -170,3 +170,16 @@ def wait_for_running_trials(registry: Registry, process: subprocess.Popen[str], 
                 return running
         time.sleep(0.2)
     raise AssertionError("no trial started in time")
+
+
+def test_the_sweeper_refuses_bad_input_in_one_line_and_submits_nothing(registry: Registry, tmp_path: Path
+                                                                      ) -> None:
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", "-m", "hydra/sweeper=switchyard_optuna",
+                           "hydra.sweeper.pruner=asha", "optim.lr=tag(log, interval(0, 1e-1))", *QUADRATIC,
+                           f"data.cache_dir={tmp_path / 'data'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: hydra.sweeper.params.optim.lr='tag(log, interval(0, 1e-1))' is a log range reaching 0: "
+        "a log range's start must be > 0 (e.g. tag(log, interval(1e-6, 0.1)))"], proc.stderr
+    assert registry.sweeps() == [] and not (tmp_path / "sweep").exists()
