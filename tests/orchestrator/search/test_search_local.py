@@ -84,6 +84,17 @@ def test_a_trial_that_diverges_to_nan_is_recorded_failed_and_the_search_goes_on(
     assert out.splitlines()[-1] == "best: none yet"
 
 
+def test_an_objective_no_trial_writes_stops_the_search_at_the_first_trial_naming_the_key(
+        registry: Registry, tmp_path: Path) -> None:
+    with pytest.raises(controller.SearchError, match=r"^hydra\.sweeper\.objective='eval_los': trial 0 "
+                                                     r"completed without writing it"):
+        search(registry, tmp_path / "sweep", ["optim.max_steps=4", f"data.cache_dir={tmp_path / 'data'}"],
+               n_trials=5, n_jobs=1, poll_s=0.3, objective="eval_los",
+               params={"optim.lr": "interval(0.1, 0.2)"})
+    (sweep,) = registry.sweeps()
+    assert [(t.num, t.state) for t in registry.trials(sweep.id)] == [(0, "FAILED")]  # not 5 trials' budget
+
+
 def test_asha_prunes_bad_learning_rates_before_their_last_step_keeping_checkpoints(
         registry: Registry, tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
