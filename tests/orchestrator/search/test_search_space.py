@@ -3,6 +3,7 @@ settings' checks, the trial rows and the PRUNED state in the registry, metrics.j
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -100,3 +101,54 @@ def test_the_sweeps_list_counts_pruned_trials_as_stopped_not_active() -> None:
                "states": {"COMPLETED": 1, "PRUNED": 2}}
     row = status.sweeps_table([summary], colour=False).splitlines()[1].split()
     assert row[5:9] == ["1", "0", "0", "2"]  # DONE ACTIVE FAILED CANCELLED
+
+
+def recorded_search(registry: Registry, tmp_path: Path) -> int:
+    """A search of three trials as the controller leaves them: completed, pruned, failed."""
+    from orchestrator.registry.db import Job
+
+    settings = SearchSettings(n_trials=3, params={"optim.lr": "tag(log, interval(1e-4, 1))"}).as_dict()
+    sweep = registry.create_sweep("train", "", str(tmp_path), "local", "")
+    registry.record_search(sweep, str(tmp_path / "j"), {"settings": settings, "base": ["optim=sgd"],
+                                                        "app": "jobs.train"})
+    registry.add_jobs([Job(sweep, n, [f"optim.lr={lr}"], str(tmp_path / str(n)), {}, 40)
+                       for n, lr in enumerate((0.2, 0.001, 9.0))])
+    registry.claim(sweep, [0, 1, 2])
+    registry.record_trial(Trial(sweep, 0, {"optim.lr": 0.2}, "COMPLETED", 40, 1e-9, None, 0.0))
+    registry.record_trial(Trial(sweep, 1, {"optim.lr": 0.001}, "PRUNED", 8, 1.9, None, 0.0))
+    registry.record_trial(Trial(sweep, 2, {"optim.lr": 9.0}, "FAILED", None, None,
+                                "eval_loss is NaN at step 4", 0.0))
+    return sweep
+
+
+def test_status_shows_each_trial_and_the_best_so_far(tmp_path: Path) -> None:
+    from orchestrator.search import view
+
+    with Registry(tmp_path / "r.db") as registry:
+        sweep = recorded_search(registry, tmp_path)
+        out = io.StringIO()
+        view.cmd_status(registry, sweep, as_json=False, read_all=True, out=out)
+        lines = out.getvalue().splitlines()
+        assert lines[-5].split() == ["TRIAL", "STATE", "EVAL_LOSS", "optim.lr", "CAUSE"]
+        assert lines[-3].split()[:5] == ["1", "PRUNED", "at", "step", "8"]
+        assert "eval_loss is NaN at step 4" in lines[-2]
+        assert lines[-1] == "3 of 3 trials ended; best so far: trial 0, eval_loss=1e-09 (optim.lr=0.2)"
+        out = io.StringIO()
+        view.cmd_status(registry, sweep, as_json=True, read_all=True, out=out)
+        shown = json.loads(out.getvalue())["search"]
+        assert shown["best"] == 0
+        assert [(t["state"], t["step"]) for t in shown["trials"]] == [("COMPLETED", 40), ("PRUNED", 8),
+                                                                      ("FAILED", None)]
+        assert {"started_at", "ended_at", "submitted_at", "params", "value"} <= set(shown["trials"][0])
+
+
+def test_best_prints_overrides_ready_to_paste_and_the_run_dir(tmp_path: Path) -> None:
+    from orchestrator.search import view
+
+    with Registry(tmp_path / "r.db") as registry:
+        sweep = recorded_search(registry, tmp_path)
+        out = io.StringIO()
+        view.cmd_best(registry, sweep, as_json=False, out=out)
+        expected = ["trial 0: eval_loss=1e-09", "overrides: optim=sgd optim.lr=0.2",
+                    f"run_dir: {tmp_path / '0'}"]
+        assert out.getvalue().splitlines() == expected
