@@ -152,3 +152,14 @@ def test_best_prints_overrides_ready_to_paste_and_the_run_dir(tmp_path: Path) ->
         expected = ["trial 0: eval_loss=1e-09", "overrides: optim=sgd optim.lr=0.2",
                     f"run_dir: {tmp_path / '0'}"]
         assert out.getvalue().splitlines() == expected
+
+
+def test_hydra_scanning_the_sweeper_plugin_does_not_import_optuna() -> None:
+    """Hydra imports every plugin module at each app's start: a run that does not search must not
+    pay for Optuna's import."""
+    import subprocess
+    import sys
+
+    code = "import sys, hydra_plugins.switchyard_optuna.sweeper; print('optuna' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
