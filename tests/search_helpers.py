@@ -10,6 +10,7 @@ optimum is lr = 0.25, and any lr within 2x of it (0.125 to 0.5) ends far lower t
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -24,12 +25,14 @@ OPTIMUM_LR = 0.25  # 1 / Quadratic's default curvature
 
 class Scalar(nn.Module):
     """``delay_s``: each forward sleeps this long, so a trial lasts long enough for the controller
-    to see its eval windows while it runs (the maths takes microseconds)."""
+    to see its eval windows while it runs (the maths takes microseconds). ``spread``: the delay is
+    scaled by a factor from 0.5 to 1.5 that differs from process to process (taken from the pid),
+    so trials started together do not all end together, as real trials do not."""
 
-    def __init__(self, w0: float = 1.0, delay_s: float = 0.0, **_: Any) -> None:
+    def __init__(self, w0: float = 1.0, delay_s: float = 0.0, spread: bool = False, **_: Any) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.tensor(float(w0)))
-        self.delay_s = delay_s
+        self.delay_s = delay_s * (0.5 + os.getpid() % 1000 / 1000 if spread else 1.0)
 
     def forward(self, *_: Any) -> Tensor:
         if self.delay_s:
