@@ -163,3 +163,13 @@ def test_hydra_scanning_the_sweeper_plugin_does_not_import_optuna() -> None:
     code = "import sys, hydra_plugins.switchyard_optuna.sweeper; print('optuna' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
+
+
+def test_a_second_controller_of_the_same_search_is_refused(tmp_path: Path) -> None:
+    from orchestrator.search import controller
+
+    refused = pytest.raises(controller.SearchError, match=r"another controller is running this search \(pid")
+    with controller.held(tmp_path), refused, controller.held(tmp_path):
+        pass
+    with controller.held(tmp_path):  # released when its holder let go (or died)
+        pass
