@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import importlib
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -162,15 +163,9 @@ def held(sweep_dir: Path) -> Iterator[None]:
                               f"stop it first, or leave it to finish") from e
         f.seek(0)
         f.truncate()
-        f.write(str(_pid()))
+        f.write(str(os.getpid()))
         f.flush()
         yield
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 class Controller:
