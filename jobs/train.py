@@ -160,6 +160,55 @@ def run(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[
     return None if submitted.results is None else report(submitted.results[0], run_dir)
 
 
+# -- a hyperparameter search's trials (orchestrator/search finds these two by the module's name) ------
+
+
+def compose_trial(overrides: Sequence[str]) -> TrainConfig:
+    """A trial's typed config: this app's config with ``overrides``, composed by Hydra (in the
+    running ``-m`` app, or in ``switchyard search resume``'s process) and checked as a run's."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    fresh = not GlobalHydra.instance().is_initialized()
+    if fresh:
+        hydra.initialize_config_module(config_module="conf", version_base="1.3")
+    try:
+        cfg = hydra.compose(config_name="train", overrides=list(overrides))
+    except Exception as e:  # Hydra's and OmegaConf's errors: an unknown key, a bad value
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in lines if "not in struct" in line), "")
+        raise ConfigError(f"{lines[0] if lines else type(e).__name__}{f' ({why})' if why else ''}") from e
+    finally:
+        if fresh:
+            GlobalHydra.instance().clear()
+    return load_config(cfg)
+
+
+def search_check(overrides: Sequence[str]) -> Any:
+    """A trial's config checked before the search submits anything: what the controller needs of it."""
+    from orchestrator.search.controller import TrialShape
+
+    cfg = compose_trial(overrides)
+    if cfg.cluster.mode not in ("local", "slurm") or cfg.cluster.dry_run:
+        raise ConfigError(f"cluster.mode={cfg.cluster.mode!r} cannot run a search's trials: each trial "
+                          f"is a job "
+                          f"of its own (try cluster=local or cluster=slurm, without cluster.dry_run)")
+    check_before_submit(cfg)  # the data and each rank's memory, as a run's submission checks them
+    return TrialShape(cfg.cluster.mode, cfg.eval_every_steps, cfg.optim.max_steps)
+
+
+def search_submit(overrides: Sequence[str], run_dir: Path, into: single.Into) -> None:
+    """One trial: an ordinary ``jobs.train`` job in its own run directory, recorded as the search's
+    job ``into.num``, not followed (the controller polls the registry, as cluster.wait=false)."""
+    cfg = compose_trial(overrides)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, wait=False))
+    Submission(
+        app="train", command=" ".join(overrides), run_dir=run_dir, cluster=cfg.cluster,
+        parallelism=cfg.parallelism, overrides=overrides,
+        check=lambda cluster: plan(dataclasses.replace(cfg, cluster=cluster), run_dir),
+        held=[(resume.checkpoint_dir(cfg, run_dir), "checkpoint.dir")], announce=False, follow=False,
+        into=into).run()
+
+
 def plan(cfg: TrainConfig, run_dir: Path) -> Plan[dict[str, Any]]:
     """What a submitted training job runs, once everything that can be checked here is."""
     paths, memory = check_before_submit(cfg, run_dir)

@@ -132,6 +132,10 @@ def _sweeps(args: argparse.Namespace) -> int:
     from orchestrator.sweeps import status
 
     with Registry(args.registry) as reg, damage_reported(reg.path):
+        if args.command == "status" and _is_search(reg, args.target):
+            from orchestrator.search import view
+
+            return view.cmd_status(reg, int(args.target), args.json)
         if args.command == "status":
             return status.cmd_status(reg, args.target, args.json)
         if args.command == "logs":
@@ -145,6 +149,35 @@ def _sweeps(args: argparse.Namespace) -> int:
 
             return prune.cmd_prune(reg, args.store, args.older_than_days, args.dry_run, args.json)
         return status.cmd_resubmit(reg, args.target, args.failed, args.json)
+
+
+def _is_search(registry: object, target: str | None) -> bool:
+    from orchestrator.registry.db import Registry
+    from orchestrator.search import view
+
+    return isinstance(registry, Registry) and view.is_search(registry, target)
+
+
+def _search(args: argparse.Namespace) -> int:
+    """best, search resume: thin calls into orchestrator.search.view."""
+    from orchestrator.registry.db import Registry, damage_reported
+    from orchestrator.search import view
+
+    with Registry(args.registry) as reg, damage_reported(reg.path):
+        if args.command == "best":
+            return view.cmd_best(reg, args.sweep, args.json)
+        return view.cmd_resume(reg, args.sweep)
+
+
+def _add_search_commands(sub: argparse._SubParsersAction[Parser], common: Parser, scripted: Parser) -> None:
+    p = sub.add_parser("best", parents=[common, scripted],
+                       help="a search's best trial: its overrides, ready to paste, and its run directory")
+    p.add_argument("sweep", type=int, metavar="SEARCH")
+    p.set_defaults(func=_search)
+    p = sub.add_parser("search", parents=[common], help="a hyperparameter search: resume a killed controller")
+    p.add_argument("action", choices=["resume"])
+    p.add_argument("sweep", type=int, metavar="SEARCH")
+    p.set_defaults(func=_search)
 
 
 def _add_sweep_commands(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -194,6 +227,7 @@ def _add_sweep_commands(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     for name in ("status", "logs", "show", "cancel", "resubmit", "snapshots"):
         sub.choices[name].set_defaults(func=_sweeps)
+    _add_search_commands(sub, common, scripted)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         from orchestrator.sweeps import status
 
-        if not isinstance(e, (*status.ERRORS, PathError)):
+        if not isinstance(e, (*status.ERRORS, *_search_errors(), PathError)):
             raise
         print(f"switchyard {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -278,6 +312,13 @@ def main_to_a_reader_that_may_leave(argv: Sequence[str] | None = None) -> int:
         for stream in gone:
             os.dup2(devnull, stream.fileno())  # the flush at exit writes nowhere instead of failing
         return 1
+
+
+def _search_errors() -> tuple[type[Exception], ...]:
+    from orchestrator.config import ConfigError
+    from orchestrator.search.controller import SearchError
+
+    return (SearchError, ConfigError)
 
 
 def console_main() -> NoReturn:

@@ -40,11 +40,13 @@ ALLOWED: dict[str, set[str]] = {
                                    "orchestrator.training", "orchestrator.export"},
     # checkpoints as files other tools load: reads the training's checkpoints and rebuilds its models
     "orchestrator.export": BASE | {"orchestrator.training", "sharding"},
+    # a hyperparameter search: its trials are jobs (launch), its views extend the sweeps' (sweeps)
+    "orchestrator.search": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.sweeps"},
     # your own command or function as a job: no trainer
     "orchestrator.scripts": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry"},
     "orchestrator.cli": BASE | {"orchestrator.registry", "orchestrator.launch", "orchestrator.telemetry",
                                 "orchestrator.training", "orchestrator.sweeps", "orchestrator.scripts",
-                                "orchestrator.export",
+                                "orchestrator.export", "orchestrator.search",
                                 "orchestrator.localcluster", "sharding"},
     # the entry points and the Hydra plugin sit on top: they may import any unit above
     "jobs": {"orchestrator", "sharding", "durable"},

@@ -39,12 +39,14 @@ class Cancelled:
     leftovers: dict[str, int] = field(default_factory=dict)
 
 
-def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str) -> Cancelled:
+def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, by: str,
+           state: str = "CANCELLED") -> Cancelled:
     """Stop the live attempts of a sweep (or of its job ``num``): the one check and the one way
     that ``switchyard cancel`` and the function API's ``Job.cancel()`` share. An attempt that has
     ended (``has_ended``) is left as it is, so a finished job stays COMPLETED; but a local job's
     ranks left running after their controller died (killed outright) are stopped whatever the
-    registry says: the job has ended, they have not."""
+    registry says: the job has ended, they have not. ``state``: what the stopped attempts become
+    in the registry (CANCELLED, or a search's PRUNED)."""
     for warning in reconcile(registry, [sweep_id], ask_slurm=slurm_query.query_states).warnings:
         print(f"warning: {warning}", file=sys.stderr)
     executor = registry.sweep(sweep_id).executor
@@ -56,8 +58,9 @@ def cancel(registry: Registry, sweep_id: int, num: int | None, grace_s: float, b
     leftovers = _stop_leftovers(latest, grace_s) if executor == "local" else {}
     cancelled += [a for a in live if str(a.slurm_id) in leftovers and a not in cancelled]
     now = time.time()
-    registry.observe(Observation(a.id, "CANCELLED", requeues=a.requeues, ended_at=now,
-                                 error=f"cancelled with {by}{_where(a)}") for a in cancelled)
+    registry.observe(Observation(a.id, state, requeues=a.requeues, ended_at=now,
+                                 error=f"{state.lower()} by {by}{_where(a)}" if state != "CANCELLED"
+                                 else f"cancelled with {by}{_where(a)}") for a in cancelled)
     return Cancelled(cancelled, ending, leftovers)
 
 

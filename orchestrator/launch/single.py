@@ -51,10 +51,21 @@ class Recorded:
     attempt_id: int
     run_dir: Path
     job_id: str
+    num: int = SINGLE_NUM
 
     @property
     def ref(self) -> str:
-        return f"{self.sweep_id}/{SINGLE_NUM}"
+        return f"{self.sweep_id}/{self.num}"
+
+
+@dataclass(frozen=True)
+class Into:
+    """Record a job as job ``num`` of an existing sweep (a search's trial), not as a sweep of one."""
+
+    registry: Path
+    sweep_id: int
+    num: int
+    total_steps: int | None = None  # the job's progress bar in `switchyard status`
 
 
 def shape(parallelism: ParallelismConfig) -> dict[str, Any]:
@@ -66,24 +77,30 @@ def shape(parallelism: ParallelismConfig) -> dict[str, Any]:
 
 def record(app: str, command: str, run_dir: Path, executor: str, job_id: str, log_dir: Path,
            overrides: list[str], config_yaml: str, registry_path: str | Path | None = None,
-           resources: dict[str, Any] | None = None, total_steps: int | None = None) -> Recorded:
-    """Record one submitted job (``executor``: slurm | local) as a sweep of one, already confirmed;
-    its resolved config goes where ``switchyard show`` reads a sweep job's. ``resources``: its
-    :func:`shape`; ``total_steps``: the steps it trains (``status`` shows STEP as step/total)."""
+           resources: dict[str, Any] | None = None, total_steps: int | None = None,
+           into: Into | None = None) -> Recorded:
+    """Record one submitted job (``executor``: slurm | local) as a sweep of one (or as ``into``'s
+    job: a search's trial), already confirmed; its resolved config goes where ``switchyard show``
+    reads a sweep job's. ``resources``: its :func:`shape`; ``total_steps``: the steps it trains
+    (``status`` shows STEP as step/total)."""
     atomic.write_text(Path(run_dir) / POINT_DIR / "config.yaml", config_yaml)
-    with Registry(registry_path) as registry:
-        sweep_id = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
-                                         executor=executor, entry_path=SINGLE_ENTRY)
-        registry.add_jobs([Job(sweep_id, SINGLE_NUM, overrides, str(run_dir), resources or {}, total_steps)])
+    with Registry(into.registry if into else registry_path) as registry:
+        if into is None:
+            sweep_id = registry.create_sweep(app=app, command=command, sweep_dir=str(run_dir),
+                                             executor=executor, entry_path=SINGLE_ENTRY)
+            num = SINGLE_NUM
+        else:
+            sweep_id, num, total_steps = into.sweep_id, into.num, into.total_steps
+        registry.add_jobs([Job(sweep_id, num, overrides, str(run_dir), resources or {}, total_steps)])
         if (origin := provenance.read(run_dir)) is not None:  # written at submission (at_submission)
-            registry.record_provenance(sweep_id, {SINGLE_NUM: origin})
-        attempt_id = registry.claim(sweep_id, [SINGLE_NUM])[SINGLE_NUM]
+            registry.record_provenance(sweep_id, {num: origin})
+        attempt_id = registry.claim(sweep_id, [num])[num]
         array_id, _, index = job_id.partition("_")
         registry.confirm([Submitted(attempt_id, job_id, array_id if index else None,
                                     int(index) if index else None, str(log_dir))])
         # the registry says from now on whether the run is live, not the submitting process
-        ownership.record_job(Path(run_dir), registry.path, sweep_id, SINGLE_NUM, job_id)
-        return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id)
+        ownership.record_job(Path(run_dir), registry.path, sweep_id, num, job_id)
+        return Recorded(registry.path, sweep_id, attempt_id, Path(run_dir), job_id, num)
 
 
 def run_reporting(run_dir: str | Path, job_id: str, restarts: int, node: str, is_main: bool,
@@ -118,16 +135,18 @@ def _end(status: TaskStatus, run_dir: str | Path, code: int, error: str | None) 
 
 def record_submitted(app: str, command: str, job: submitit.Job[Any], run_dir: Path, overrides: list[str],
                      config_yaml: str, parallelism: ParallelismConfig, announce: bool = True,
-                     total_steps: int | None = None) -> Recorded | None:
-    """``record`` for a job just queued with ``parallelism``'s ranks (``announce``: print its id);
-    a registry that cannot take it is a warning, not an error: the job runs anyway, and says so.
-    A debug job (this process, no scheduler) is not recorded: None."""
+                     total_steps: int | None = None, into: Into | None = None) -> Recorded | None:
+    """``record`` for a job just queued with ``parallelism``'s ranks (``announce``: print its id;
+    ``into``: recorded as that sweep's job); a registry that cannot take it is a warning, not an
+    error: the job runs anyway, and says so. A debug job (this process, no scheduler) is not
+    recorded: None."""
     if isinstance(job, submitit.DebugJob):
         return None
     executor = "local" if isinstance(job, LocalJob) else "slurm"
     try:
         recorded = record(app, command, run_dir, executor, str(job.job_id), Path(job.paths.folder),
-                          overrides, config_yaml, resources=shape(parallelism), total_steps=total_steps)
+                          overrides, config_yaml, resources=shape(parallelism), total_steps=total_steps,
+                          into=into)
     except (RegistryError, sqlite3.Error, OSError) as e:
         print(f"warning: job {job.job_id} runs, but the registry did not record it: {e}", file=sys.stderr)
         return None

@@ -78,6 +78,7 @@ class Submission(Generic[R]):
     # Hydra's apps had it checked before Hydra wrote there (``ownership.RunDirCheck``, a callback)
     dir_checked: bool = True
     claimed_as: Sequence[str] | None = None  # how another run's refusal names it (default: overrides)
+    into: single.Into | None = None  # recorded as this job of an existing sweep (a search's trial)
 
     def run(self) -> Submitted[R]:
         """Steps 1-10 of the module's docstring, in that order."""
@@ -114,7 +115,7 @@ class Submission(Generic[R]):
             job = submit.submit(executor, plan.fn, *plan.args, **plan.kwargs)
         recorded = single.record_submitted(self.app, self.command, job, run_dir, list(self.overrides),
                                            plan.config_yaml, self.parallelism, announce=self.announce,
-                                           total_steps=self.total_steps)
+                                           total_steps=self.total_steps, into=self.into)
         done = Submitted(plan, cluster, job, recorded)
         if self.follow:
             done.results = single.follow(cluster, recorded, job, run_dir, self.total_steps)

@@ -117,6 +117,26 @@ CREATE TABLE provenance (
     record      TEXT NOT NULL,      -- JSON: what the job's RUN/provenance.json says it runs
     PRIMARY KEY (sweep_id, num)
 )"""
+# A hyperparameter search (orchestrator/search) is a sweep whose jobs are added as its trials are
+# asked: one row here per search, one per trial tying Optuna's trial to the sweep's job.
+_SEARCHES = """
+CREATE TABLE searches (
+    sweep_id    INTEGER PRIMARY KEY REFERENCES sweeps(id),
+    study_path  TEXT NOT NULL,      -- Optuna's journal file, in the sweep directory
+    settings    TEXT NOT NULL       -- JSON: the search's settings, base overrides and trial entry
+)"""
+_TRIALS = """
+CREATE TABLE trials (
+    sweep_id    INTEGER NOT NULL,
+    num         INTEGER NOT NULL,   -- the sweep's job number, which is Optuna's trial number
+    params      TEXT NOT NULL,      -- JSON {key: value}: the trial's overrides of the search space
+    state       TEXT NOT NULL,      -- RUNNING | COMPLETED | PRUNED | FAILED
+    step        INTEGER,            -- the last step reported (pruned: where it was pruned)
+    value       REAL,               -- the objective (pruned: the last intermediate value)
+    error       TEXT,               -- a failed trial's cause
+    updated_at  REAL NOT NULL,
+    PRIMARY KEY (sweep_id, num)
+)"""
 
 
 def _statements(*sql: str) -> Callable[[sqlite3.Connection], None]:
@@ -139,6 +159,7 @@ MIGRATIONS: tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...] = (
     # Version 5 as first released made new files without the exclusions table (a rewrite of this
     # file dropped it); a file that came from version 4 has it.
     (6, _statements(_EXCLUSIONS.format(if_missing="IF NOT EXISTS"))),
+    (7, _statements(_SEARCHES, _TRIALS)),  # hyperparameter searches and their trials
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -235,6 +256,20 @@ class Attempt:
 
 # The attempts table's columns in Attempt's field order: rows build Attempts by position.
 _ATTEMPT_COLUMNS = ", ".join(f"a.{f.name}" for f in fields(Attempt))
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One trial of a search: its job (``sweep_id``/``num``) and what Optuna was told of it."""
+
+    sweep_id: int
+    num: int
+    params: dict[str, Any]
+    state: str
+    step: int | None
+    value: float | None
+    error: str | None
+    updated_at: float
 
 
 @dataclass(frozen=True)
@@ -568,6 +603,30 @@ class Registry:
         row = self._db.execute("SELECT record FROM provenance WHERE sweep_id = ? AND num = ?",
                                (sweep_id, num)).fetchone()
         return json.loads(row[0]) if row else None
+
+    def record_search(self, sweep_id: int, study_path: str, settings: Mapping[str, Any]) -> None:
+        with self._write() as db:
+            db.execute("INSERT INTO searches (sweep_id, study_path, settings) VALUES (?, ?, ?)",
+                       (sweep_id, study_path, json.dumps(settings, sort_keys=True)))
+
+    def search(self, sweep_id: int) -> tuple[str, dict[str, Any]] | None:
+        """``(study path, settings)`` of a search, None for any other sweep."""
+        row = self._db.execute("SELECT study_path, settings FROM searches WHERE sweep_id = ?",
+                               (sweep_id,)).fetchone()
+        return (row[0], json.loads(row[1])) if row else None
+
+    def record_trial(self, trial: Trial) -> None:
+        """A trial as it now stands (asked, reported on, ended): the whole row, replaced."""
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO trials (sweep_id, num, params, state, step, value, error, "
+                       "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (trial.sweep_id, trial.num, json.dumps(trial.params), trial.state, trial.step,
+                        trial.value, trial.error, time.time()))
+
+    def trials(self, sweep_id: int) -> list[Trial]:
+        rows = self._db.execute("SELECT sweep_id, num, params, state, step, value, error, updated_at "
+                                "FROM trials WHERE sweep_id = ? ORDER BY num", (sweep_id,))
+        return [Trial(r[0], r[1], json.loads(r[2]), *r[3:]) for r in rows]
 
     def snapshots_in_use(self, since: float) -> tuple[set[str], list[str]]:
         """What ``switchyard snapshots prune`` must keep: the snapshot hashes recorded for jobs not

@@ -7,8 +7,13 @@ from __future__ import annotations
 SUBMITTING = "SUBMITTING"  # claimed in the registry, sbatch not answered yet
 SUBMITTED = "SUBMITTED"  # sbatch answered; SLURM has not reported on it yet
 SUBMIT_FAILED = "SUBMIT_FAILED"  # sbatch refused it
+# A search's trial its pruner stopped (orchestrator/search): cancelled as `switchyard cancel` does
+# it, checkpoint kept, but told apart from a user's cancel and never resubmitted by `--failed`.
+PRUNED = "PRUNED"
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "OUT_OF_MEMORY", "BOOT_FAIL",
-                          "DEADLINE", SUBMIT_FAILED})
+                          "DEADLINE", SUBMIT_FAILED, PRUNED})
+# Ends set by a command rather than seen: what SLURM or the processes say afterwards cannot move them.
+STOPPED_STATES = frozenset({"CANCELLED", PRUNED})
 # Terminal for now, but SLURM or the job itself may requeue it: keep asking for a day.
 REQUEUABLE_STATES = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL"})
 TERMINAL_STATES = FINAL_STATES | REQUEUABLE_STATES
@@ -28,15 +33,16 @@ def accepts(old_state: str, old_requeues: int, new_state: str, new_requeues: int
     requeues it, and a TIMEOUT or PREEMPTED job may be requeued too. A stale live state written by
     a slower reconciler is corrected by the next one; a stale end would never be, so ends win.
 
-    CANCELLED stays, as SLURM keeps a cancelled job CANCELLED whatever its processes exit with:
+    CANCELLED (and PRUNED, a search's cancel) stays, as SLURM keeps a cancelled job CANCELLED
+    whatever its processes exit with:
     a local job's ranks that leave on the cancel's SIGTERM with status 0 (or are killed at the
     end of its grace) are seen ending by its submitter and by any reconciler, and whichever wrote
     last used to win, so a cancelled job could read COMPLETED or FAILED.
     """
     if new_requeues != old_requeues:
         return new_requeues > old_requeues
-    if old_state == "CANCELLED":
-        return new_state == "CANCELLED"
+    if old_state in STOPPED_STATES:
+        return new_state == old_state
     return old_state not in FINAL_STATES or new_state in FINAL_STATES
 
 

@@ -228,7 +228,8 @@ def sweeps_table(summaries: Sequence[dict[str, Any]], colour: bool) -> str:
     cells, painters = [], []
     for s in summaries:
         states: dict[str, int] = s["states"]
-        done, cancelled = states.get("COMPLETED", 0), states.get("CANCELLED", 0)
+        # a search's PRUNED trial was stopped by its pruner: counted with the cancelled, not active
+        done, cancelled = states.get("COMPLETED", 0), states.get("CANCELLED", 0) + states.get("PRUNED", 0)
         # a cancelled job was stopped by someone, not broken: counting it as failed sends the
         # user looking for an error that is not there
         failed = sum(n for k, n in states.items() if k in RETRY_STATES and k != "CANCELLED")
@@ -528,6 +529,10 @@ def cmd_resubmit(registry: Registry, target: str, failed: bool, as_json: bool,
     if ref.num is not None:
         raise CommandError(f"resubmit takes a sweep: switchyard resubmit {ref.sweep_id} --failed")
     sweep = registry.sweep(ref.sweep_id)
+    if registry.search(ref.sweep_id) is not None:  # its trials are asked by its controller, not saved
+        raise CommandError(f"{ref.sweep_id} is a hyperparameter search: a failed trial is not rerun, the "
+                           f"search asks new ones; a stopped controller resumes with `switchyard search "
+                           f"resume {ref.sweep_id}`")
     if is_single(sweep.entry_path):
         raise CommandError(f"{ref.sweep_id} is a single job ({sweep.app}: {sweep.command or '-'}), not a "
                            f"sweep: it has no saved points to resubmit; run its command again (with "
