@@ -127,14 +127,14 @@ def test_status_shows_each_trial_and_the_best_so_far(tmp_path: Path) -> None:
     with Registry(tmp_path / "r.db") as registry:
         sweep = recorded_search(registry, tmp_path)
         out = io.StringIO()
-        view.cmd_status(registry, sweep, as_json=False, read_all=True, out=out)
+        view.cmd_status(registry, sweep, as_json=False, out=out)
         lines = out.getvalue().splitlines()
         assert lines[-5].split() == ["TRIAL", "STATE", "EVAL_LOSS", "optim.lr", "CAUSE"]
         assert lines[-3].split()[:5] == ["1", "PRUNED", "at", "step", "8"]
         assert "eval_loss is NaN at step 4" in lines[-2]
         assert lines[-1] == "3 of 3 trials ended; best so far: trial 0, eval_loss=1e-09 (optim.lr=0.2)"
         out = io.StringIO()
-        view.cmd_status(registry, sweep, as_json=True, read_all=True, out=out)
+        view.cmd_status(registry, sweep, as_json=True, out=out)
         shown = json.loads(out.getvalue())["search"]
         assert shown["best"] == 0
         assert [(t["state"], t["step"]) for t in shown["trials"]] == [("COMPLETED", 40), ("PRUNED", 8),
