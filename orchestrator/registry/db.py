@@ -168,8 +168,11 @@ def _version_of_tables(tables: set[str]) -> int | None:
     """The registry version whose file holds ``tables`` (each step above adds one; version 6 is 5
     with the exclusions table sure to be there), or None when they are not a registry's."""
     if not {"sweeps", "jobs", "attempts"} <= tables or tables - {
-            "sweeps", "jobs", "attempts", "results", "digests", "exclusions", "provenance"}:
+            "sweeps", "jobs", "attempts", "results", "digests", "exclusions", "provenance", "searches",
+            "trials"}:
         return None
+    if {"searches", "trials"} <= tables:
+        return 7
     if "provenance" in tables:
         return 6 if "exclusions" in tables else 5
     return 4 if "exclusions" in tables else 3 if "digests" in tables else 2 if "results" in tables else 1
@@ -390,6 +393,8 @@ class Registry:
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
         if version == 0 and not tables:
             return
+        if version == 0 and int(self._db.execute("PRAGMA user_version").fetchone()[0]) > 0:
+            return  # another process's migration committed between the two reads: a new file, made
         own = _version_of_tables(tables)
         stamp = f"its version stamp (PRAGMA user_version) is {version}"
         if own is None:
