@@ -163,15 +163,19 @@ class SlowToBuildOnRank1(RowPoolingMLP):
         super().__init__(*args, **kwargs)
 
 
-class StuckOnRank1(RowPoolingMLP):
-    """From its ``STUCK_AT``-th forward on, rank 1 spins in Python (``spin_in_python``): alive, its
-    heartbeat beating on at the same step as rank 0, which waits in the gradients' all-reduce."""
-
-    STUCK_AT = 4
+class CountsForwards(RowPoolingMLP):
+    """A model that counts its forwards (``calls``), for one that misbehaves at a given call."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.calls = 0
+
+
+class StuckOnRank1(CountsForwards):
+    """From its ``STUCK_AT``-th forward on, rank 1 spins in Python (``spin_in_python``): alive, its
+    heartbeat beating on at the same step as rank 0, which waits in the gradients' all-reduce."""
+
+    STUCK_AT = 4
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         self.calls += 1
@@ -215,14 +219,10 @@ class SlowDataOnRank1:
         return self.inner.__getitems__(values)
 
 
-class FailsOnRank1(RowPoolingMLP):
+class FailsOnRank1(CountsForwards):
     """Rank 1's ``FAILS_AT``-th forward raises, the same way at every start: the code's own bug."""
 
     FAILS_AT = 3
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.calls = 0
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         self.calls += 1

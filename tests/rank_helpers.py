@@ -48,6 +48,23 @@ def write_rows_dataset(path: Path, count: int, features: int, classes: int, max_
     return str(path)
 
 
+TEXT_LINE = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs\n"
+
+
+def write_text_dataset(root: Path) -> str:
+    """A small byte-tokenized text dataset (``jobs.prepare format=text``) under ``root``: four
+    documents of the same sentence, numbered; for ``task=causal_lm`` with a tiny GPT."""
+    from jobs.prepare import prepare
+    from orchestrator.config import PrepareConfig
+
+    (root / "corpus").mkdir()
+    for i in range(4):
+        (root / "corpus" / f"{i}.txt").write_text(f"{i} {TEXT_LINE}" * 20)
+    prepare(PrepareConfig(input=str(root / "corpus"), output=str(root / "d"), format="text",
+                          tokenizer="bytes"))
+    return str(root / "d")
+
+
 # What multiprocessing's fork server imports once for every rank it forks (a spawned rank imported
 # torch and the trainer again, about 2.5 s of CPU each); a module it cannot import is skipped.
 RANK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "orchestrator.training.trainer",

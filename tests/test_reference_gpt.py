@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rank_helpers import one_rank
+from rank_helpers import one_rank, write_text_dataset
 
-from jobs.prepare import prepare
 from orchestrator.config import (
     CausalLmTaskConfig,
     CheckpointConfig,
@@ -25,7 +24,6 @@ from orchestrator.config import (
     LoggerConfig,
     MemoryConfig,
     OptimConfig,
-    PrepareConfig,
     TelemetryConfig,
     TrainConfig,
 )
@@ -35,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import reference_gpt
 
 STEPS = 5
-LINE = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs\n"
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +43,7 @@ def rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime.Runtime]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("text")
-    (root / "corpus").mkdir()
-    for i in range(4):
-        (root / "corpus" / f"{i}.txt").write_text(f"{i} {LINE}" * 20)
-    prepare(PrepareConfig(input=str(root / "corpus"), output=str(root / "d"), format="text",
-                          tokenizer="bytes"))
-    return str(root / "d")
+    return write_text_dataset(tmp_path_factory.mktemp("text"))
 
 
 def setup(data: str, **changes: object) -> reference_gpt.Setup:

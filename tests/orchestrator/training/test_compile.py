@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch._inductor.utils
-from rank_helpers import write_rows_dataset
+from rank_helpers import write_rows_dataset, write_text_dataset
 from train_helpers import CHEAP, refusal, run_train
 
-from jobs.prepare import prepare
 from orchestrator.config import (
     CausalLmTaskConfig,
     CheckpointConfig,
@@ -33,25 +32,16 @@ from orchestrator.config import (
     MemoryConfig,
     OptimConfig,
     ParallelismConfig,
-    PrepareConfig,
     TelemetryConfig,
     TrainConfig,
     TransformerConfig,
 )
 from orchestrator.training import compiling, runtime, step, trainer
 
-LINE = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs\n"
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> trainer.DataPaths:
-    root = tmp_path_factory.mktemp("text")
-    (root / "corpus").mkdir()
-    for i in range(4):
-        (root / "corpus" / f"{i}.txt").write_text(f"{i} {LINE}" * 20)
-    prepare(PrepareConfig(input=str(root / "corpus"), output=str(root / "d"), format="text",
-                          tokenizer="bytes"))
-    return trainer.DataPaths(train=str(root / "d"), eval=None)
+    return trainer.DataPaths(train=write_text_dataset(tmp_path_factory.mktemp("text")), eval=None)
 
 
 def config(data: trainer.DataPaths, compile: bool = True, backend: str = "aot_eager", steps: int = 4,
@@ -169,7 +159,6 @@ def test_a_cache_whose_kernels_do_not_fit_its_header_is_ignored_and_writes_nothi
     assert compiling.load_cache(path) == (
         False, f"ignored the compile cache {path}: unreadable ({why}); compiling from scratch")
     assert not (tmp_path / "evil.so").exists() and compiling.binaries(node) == set()
-
 
 
 @pytest.mark.parametrize("header", [b"null", b"[1, 2]", b"7"], ids=["null", "list", "number"])
