@@ -18,8 +18,8 @@ from orchestrator.sweeps import status
 
 def is_search(registry: Registry, target: str | None) -> bool:
     """Whether ``target`` names a whole search (``switchyard status ID`` then shows its trials)."""
-    if target is None or not target.isdigit():
-        return False
+    if target is None or not target.isascii() or not target.isdigit() or int(target) > status.MAX_ID:
+        return False  # not a sweep id: status itself says so, in its one error line
     return registry.search(int(target)) is not None
 
 
