@@ -92,15 +92,18 @@ class MetricsWindow:
     def add(self, sums: torch.Tensor) -> None:
         self.sums += sums
 
-    def close(self, step: int, lr: float, grad_norm: torch.Tensor | None) -> tuple[float, float]:
+    def close(self, step: int, lr: float, grad_norm: torch.Tensor | None,
+              also_max: torch.Tensor | None = None) -> tuple[float, float]:
         """(global mean loss per unit, global samples/s) of the window; starts the next one.
         A task counting tokens also logs ``tokens_per_s``, and ``model_tflops_per_s`` and
-        ``mfu`` where the model states its FLOPs per token (``throughput``)."""
+        ``mfu`` where the model states its FLOPs per token (``throughput``). ``also_max``: int64
+        values on the host reduced by MAX in the same CPU collective as the peak memory, in place
+        (the slow-rank notes, ``stragglers``: no collective of their own)."""
         total, units, samples = runtime.global_sums(self.rt, self.sums)
         loss = total / units if units > 0 else float("nan")
         seconds = max(time.perf_counter() - self.start, 1e-9)
         rate = samples / seconds
-        peak = runtime.global_max(self.rt, self.peaks.close_window())
+        peak = runtime.global_max(self.rt, self.peaks.close_window(), also_max)
         if self.log is not None:
             values: dict[str, float | None] = {"train_loss": loss, "samples_per_s": rate, "lr": lr,
                                                "peak_mem_bytes": peak}

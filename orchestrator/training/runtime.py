@@ -249,11 +249,16 @@ def global_sums(rt: Runtime, sums: torch.Tensor) -> list[float]:
     return [float(v) for v in reduced.tolist()]
 
 
-def global_max(rt: Runtime, value: int) -> int:
-    """The largest of one host integer per rank: a CPU tensor, so it rides gloo beside NCCL."""
+def global_max(rt: Runtime, value: int, also: torch.Tensor | None = None) -> int:
+    """The largest of one host integer per rank: a CPU tensor, so it rides gloo beside NCCL.
+    ``also``: more int64 host values reduced by MAX in the same collective, written back in place."""
     box = torch.tensor([value], dtype=torch.int64)
+    if also is not None:
+        box = torch.cat([box, also])
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return int(box.item())
+    if also is not None:
+        also.copy_(box[1:])
+    return int(box[0].item())
 
 
 def gather(rt: Runtime, value: Any) -> list[Any]:

@@ -4,8 +4,9 @@ DDP's all-reduce evens out the ranks' step times (the fast ranks wait inside it 
 so a slow node cannot be seen in per-rank step times. It can be seen in *when* each rank starts its
 step's compute, after its data: the moment it heads for the reduction. Each rank notes that wall
 time once a step (``enter``: one ``time.time()``, no device read); at log steps, which already
-sync with the host, the notes are all-gathered as one small CPU tensor (it rides gloo beside
-NCCL) and each step's lateness is a rank's time minus the earliest rank's.
+sync with the host, the notes ride the metrics window's one CPU collective (each rank's in its own
+row of a table reduced by MAX: gloo beside NCCL, no collective of their own), and each step's
+lateness is a rank's time minus the earliest rank's.
 
 A rank whose median lateness over a logging window is more than ``fraction`` of the step, in
 ``windows`` windows in a row, is flagged: rank 0 says so in its log (the line ``bad_nodes`` reads,
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from durable import atomic
 from orchestrator.launch.bad_nodes import SLOW_LINE_PREFIX, STRAGGLERS_FILE
@@ -64,20 +64,25 @@ class Lateness:
     def enter(self) -> None:
         self.entered.append(time.time())
 
-    def close(self) -> None:
-        """At a log step: this window's lateness per rank; flags and unflags."""
+    def payload(self) -> torch.Tensor | None:
+        """This rank's notes of the window in its own row of a [world, steps] int64 table of
+        microseconds, zeros elsewhere: reduced by MAX over ranks (the metrics window's CPU
+        collective) it becomes every rank's notes. None when nothing is measured."""
         if self.fraction <= 0 or self.rt.env.world_size < 2:
             self.entered.clear()
+            return None
+        table = torch.zeros(self.rt.env.world_size, len(self.entered), dtype=torch.int64)
+        table[self.rt.env.rank] = torch.tensor([round(t * 1e6) for t in self.entered], dtype=torch.int64)
+        self.entered.clear()
+        return table.flatten()
+
+    def take(self, reduced: torch.Tensor | None) -> None:
+        """Every rank's notes of the window (``payload`` after the reduction): flags and unflags."""
+        if reduced is None or reduced.numel() < 2 * self.rt.env.world_size:
             return
         if self.nodes is None:
             self.nodes = [str(n) for n in runtime.gather(self.rt, self.rt.env.hostname)]
-        mine = torch.tensor(self.entered, dtype=torch.float64)
-        self.entered.clear()
-        times = [torch.empty_like(mine) for _ in range(self.rt.env.world_size)]
-        dist.all_gather(times, mine)  # steps are in lockstep: every rank noted as many
-        if mine.numel() < 2:
-            return
-        matrix = torch.stack(times)  # [world, steps]
+        matrix = reduced.view(self.rt.env.world_size, -1).to(torch.float64) / 1e6  # [world, steps] s
         earliest = matrix.min(dim=0).values  # [steps]
         step_s = float(earliest.diff().median())
         late = (matrix - earliest).median(dim=1).values.tolist()  # [world]

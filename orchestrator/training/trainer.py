@@ -351,8 +351,9 @@ class Trainer:
                 if logs:
                     self.check_finite()
                     lr = float(self.schedule.get_last_lr()[0])
-                    loss, rate = window.close(self.step, lr, self.grad_norm)
-                    self.lateness.close()
+                    notes = self.lateness.payload()  # rides the window's CPU collective
+                    loss, rate = window.close(self.step, lr, self.grad_norm, notes)
+                    self.lateness.take(notes)
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
                 bar.update(1)
                 if self.data.eval_ds is not None and self.due(cfg.eval_every_steps):
