@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from orchestrator.config import ConfigError, ParallelismConfig
-from orchestrator.launch import heartbeat, submit
+from orchestrator.launch import hang_dumps, heartbeat
 from orchestrator.launch.dist_env import DistEnv
 
 
@@ -74,7 +74,7 @@ def hang_report(error: BaseException, run_dir: Path, launch: DistEnv) -> str | N
     (the heartbeats' verdict: the rank the others waited for, and why), to be printed by this rank
     if it is the lowest rank not blamed, else "" (another rank prints it). None for any other
     error. Every waiting rank times out alike, and their tracebacks named only themselves."""
-    if not submit.is_collective_timeout(f"{type(error).__name__}: {error}"):
+    if not hang_dumps.is_collective_timeout(f"{type(error).__name__}: {error}"):
         return None
     world = launch.world_size
     found = heartbeat.verdict([b for b in heartbeat.read_beats(run_dir) if b.rank < world], world)

@@ -72,7 +72,7 @@ for SWITCHYARD_RESTART in $(seq 0 @N@); do
         break
     fi
     echo "switchyard: the step failed (exit $sy_rc); restart $(( SWITCHYARD_RESTART + 1 ))/@N@" \
-         "inside allocation $sy_job, from the newest checkpoint" >&2
+         "inside allocation $sy_job, from the run's newest checkpoint (or its start, without one)" >&2
 done
 exit "$sy_rc"
 """

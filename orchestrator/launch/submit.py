@@ -707,9 +707,6 @@ def headed(error: str, tail: str) -> str:
     return f"{exception}\n    {tail}"
 
 
-is_collective_timeout = hang_dumps.is_collective_timeout
-
-
 def lost_a_peer(error: str) -> bool:
     """Whether a rank's error only says another rank went away (a consequence, not a cause)."""
     return _PEER_LOST.search(error) is not None
@@ -720,7 +717,7 @@ def hang_verdict(outcomes: Sequence[RankOutcome], run_dir: Path | None) -> heart
     if run_dir is None:
         return None
     if not (hang_dumps.asked(run_dir)  # a rank's collective timed out, whatever the others then said
-            or any(is_collective_timeout(o.error or o.no_output or "") for o in outcomes)):
+            or any(hang_dumps.is_collective_timeout(o.error or o.no_output or "") for o in outcomes)):
         return None
     world = len(outcomes)
     return heartbeat.verdict([b for b in heartbeat.read_beats(run_dir) if b.rank < world], world)

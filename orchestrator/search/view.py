@@ -18,9 +18,13 @@ from orchestrator.sweeps import status
 
 def is_search(registry: Registry, target: str | None) -> bool:
     """Whether ``target`` names a whole search (``switchyard status ID`` then shows its trials)."""
-    if target is None or not target.isascii() or not target.isdigit() or int(target) > status.MAX_ID:
-        return False  # not a sweep id: status itself says so, in its one error line
-    return registry.search(int(target)) is not None
+    if target is None:
+        return False
+    try:
+        ref = status.parse_ref(registry, target)  # the one reader of ids: too large, other digits
+    except status.CommandError:
+        return False  # not a sweep: status itself says so, in its one error line
+    return ref.num is None and registry.search(ref.sweep_id) is not None
 
 
 def settings_of(registry: Registry, sweep_id: int) -> tuple[SearchSettings, dict[str, Any]]:
